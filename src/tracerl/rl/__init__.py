@@ -1,0 +1,1 @@
+"""RL: losses, importance-sampling corrections, mismatch metrics, the training loop."""

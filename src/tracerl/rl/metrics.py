@@ -1,0 +1,54 @@
+"""Train/rollout mismatch metrics (names fixed in DESIGN.md "Metrics")."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mismatch_metrics(train_logp_NT: torch.Tensor, rollout_logp_NT: torch.Tensor, mask_NT: torch.Tensor) -> dict[str, float]:
+    """Compare the trainer's and the rollout's logprobs of the sampled tokens over `mask_NT`."""
+    m = mask_NT.bool()
+    lt, lr = train_logp_NT.detach().float()[m], rollout_logp_NT.detach().float()[m]
+    if lt.numel() == 0:
+        raise ValueError("no response tokens to compare (empty mask)")
+    log_r = lt - lr  # r = pi_train / pi_rollout
+    r = torch.exp(log_r)
+    dp = (torch.exp(lt) - torch.exp(lr)).abs()
+    return {
+        "mismatch/kl_k3": float((r - 1 - log_r).mean()),
+        "mismatch/logp_abs_diff_mean": float(log_r.abs().mean()),
+        "mismatch/prob_abs_diff_mean": float(dp.mean()),
+        "mismatch/prob_abs_diff_max": float(dp.max()),
+        "mismatch/ratio_max": float(r.max()),
+        "mismatch/frac_ratio_outside_0.5_2": float(((r < 0.5) | (r > 2)).float().mean()),
+    }
+
+
+def flip_metrics(flips: dict, n_layers: int) -> dict[str, float]:
+    """`flips/act_frac` over all sites and `flips/layer_<i>` per layer, from FakeQuant.flips."""
+    from tracerl.qat import SiteName
+
+    out: dict[str, float] = {}
+    tot_f = tot_n = 0
+    per_layer: dict[int, list[int]] = {}
+    for site, f in flips.items():
+        tot_f += f.flipped
+        tot_n += f.total
+        layer = SiteName.parse(site).layer
+        if layer is not None:
+            acc = per_layer.setdefault(layer, [0, 0])
+            acc[0] += f.flipped
+            acc[1] += f.total
+    if tot_n:
+        out["flips/act_frac"] = tot_f / tot_n
+    for i in range(n_layers):
+        if i in per_layer and per_layer[i][1]:
+            out[f"flips/layer_{i}"] = per_layer[i][0] / per_layer[i][1]
+    return out
+
+
+def entropy_mean(logits_NTV: torch.Tensor, mask_NT: torch.Tensor) -> float:
+    """Mean token entropy of the policy over masked positions."""
+    logp = torch.log_softmax(logits_NTV.detach().float(), -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return float(ent[mask_NT.bool()].mean()) if mask_NT.any() else 0.0

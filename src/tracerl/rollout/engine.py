@@ -1,0 +1,267 @@
+"""The rollout engine: batched generation in BF16 or FP4 with a KV cache, recording what TRACE needs.
+
+It runs the real incremental computation of an inference engine: one prefill over the (left-padded)
+prompts, then one new token per step against the KV cache; it never calls the trainer's
+full-sequence forward over the generated text. That difference in computation (and in batch
+shapes) is the honest source of the train/rollout mismatch that TRACE measures and removes.
+
+Weights come as PackedWeights (`model.pack_weights(recipe)`): FP4Tensors for the quantized sites,
+so the engine's FP4 weights are bit-identical to the trainer's fake-quantized weights, and plain
+copies for everything else. On CPU the FP4 weights are dequantized once per `load_weights` (the
+PyTorch reference path); GPU kernels that never materialise them are a separate backend.
+
+Slots: each sequence owns a row of the KV cache and of the record buffers; all rows advance in
+lockstep columns, finished rows stop being computed, and (multi-turn) `continue_` appends
+environment tokens that the engine feeds teacher-forced before the policy samples again.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tracerl import fp4
+from tracerl.guidance import CachePolicy
+from tracerl.qat import Recipe
+from tracerl.rollout.batch import RolloutBatch
+from tracerl.rollout.kvcache import DenseKVCache, FP4KVCache
+from tracerl.rollout.recorder import RolloutQuant, SiteRecorder
+from tracerl.rollout.sampling import SamplingParams, sample
+
+
+@dataclass
+class _GenState:
+    tokens: torch.Tensor  # (B, max_len)
+    mask: torch.Tensor
+    prompt_mask: torch.Tensor
+    policy_mask: torch.Tensor
+    logprobs: torch.Tensor
+    routing: torch.Tensor | None  # (L, B, max_len, K)
+    prompt_index: torch.Tensor
+    cache: DenseKVCache | FP4KVCache
+    recorder: SiteRecorder
+    next_logits: torch.Tensor  # (B, V) float32: logits after each row's last fed token
+    cur: int  # next column to write
+    finished: torch.Tensor  # (B,) stopped by a stop token
+
+
+class Engine:
+    """Generate completions like an RL rollout worker; record routing and guidance."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        recipe: Recipe | str = "bf16",
+        cache_policy: CachePolicy | None = None,
+        *,
+        max_len: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        diagnostics: bool = False,
+    ) -> None:
+        self.recipe = recipe if isinstance(recipe, Recipe) else Recipe(recipe)
+        self.policy = cache_policy
+        self.config = model.config
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_len = max_len or self.config.max_seq_len
+        self.diagnostics = diagnostics
+        # the engine owns its copy of the architecture; weights arrive through load_weights
+        self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._weights: dict[str, torch.Tensor] = {}
+        self.load_weights(model.pack_weights(self.recipe))
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, packed) -> None:
+        """Swap in a step's PackedWeights (no re-quantization; the KV cache is per call, not reallocated here)."""
+        if getattr(packed, "recipe", self.recipe) != self.recipe:
+            raise ValueError(f"PackedWeights were packed for {packed.recipe}, the engine runs {self.recipe}")
+        params = dict(self.model.named_parameters())
+        weights: dict[str, torch.Tensor] = {}
+        for name, t in packed.items():
+            if isinstance(t, fp4.FP4Tensor):
+                weights[name] = fp4.dequantize(t.to(self.device), self.dtype)
+            elif name in params:
+                params[name].copy_(t.to(device=self.device, dtype=self.dtype))
+            else:
+                raise KeyError(f"PackedWeights entry {name!r} matches no engine parameter or quant site")
+        self._weights = weights
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, *, seed: int = 0) -> RolloutBatch:
+        """Sample `params.n` completions per prompt; returns a RolloutBatch of len(prompts) * n rows."""
+        params = params or SamplingParams()
+        self._check_prompts(prompts, params)
+        t0 = time.perf_counter()
+        n_prompts, n = len(prompts), params.n
+        p_len = max(len(p) for p in prompts)
+        st = self._new_state(n_prompts, p_len, prompts)
+        # prefill the unique prompts once, then give each of the n samples its own slot
+        rows = torch.arange(n_prompts, device=self.device)
+        logits = self._forward(st, rows, 0, p_len)
+        st.next_logits[:n_prompts] = logits[:, -1].float()
+        index = torch.arange(n_prompts, device=self.device).repeat_interleave(n)
+        self._expand(st, index)
+        st.cur = p_len
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        pending = [deque() for _ in range(len(index))]
+        self._decode(st, torch.ones(len(index), dtype=torch.bool, device=self.device), pending, params, gen)
+        return self._finish(st, t0)
+
+    @torch.no_grad()
+    def continue_(self, batch: RolloutBatch, appended: list[list[int] | None], params: SamplingParams | None = None,
+                  *, seed: int = 0) -> RolloutBatch:
+        """Append environment tokens to live sequences (None = sequence is over) and keep decoding.
+
+        The appended tokens are fed through the KV cache teacher-forced, masked out of
+        `policy_mask`; then the policy samples its next turn with `params` (n must be 1).
+        """
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("continue_ samples one continuation per live sequence; use n=1")
+        st: _GenState = batch._state
+        if st is None:
+            raise ValueError("this RolloutBatch has no engine state (it was sliced or finalised); cannot continue it")
+        if len(appended) != st.tokens.shape[0]:
+            raise ValueError(f"appended has {len(appended)} entries for a batch of {st.tokens.shape[0]} sequences")
+        t0 = time.perf_counter()
+        live = torch.tensor([a is not None for a in appended], device=self.device)
+        need = max((len(a) for a in appended if a is not None), default=0) + params.max_new_tokens
+        if st.cur + need > self.max_len:
+            raise ValueError(f"continuing needs {st.cur + need} columns, the engine's max_len is {self.max_len}")
+        pending = [deque(a or []) for a in appended]
+        st.finished &= ~live
+        self._decode(st, live, pending, params, torch.Generator(device=self.device).manual_seed(seed))
+        return self._finish(st, t0)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        vocab = self.config.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the context "
+                f"({self.max_len}); shorten the prompt or max_new_tokens, or raise max_len"
+            )
+
+    def _new_state(self, n_rows: int, p_len: int, prompts: list[list[int]]) -> _GenState:
+        cfg, dev, L = self.config, self.device, self.max_len
+        tokens = torch.zeros(n_rows, L, dtype=torch.long, device=dev)
+        mask = torch.zeros(n_rows, L, dtype=torch.bool, device=dev)
+        for i, p in enumerate(prompts):  # left padding: prompts end at column p_len - 1
+            tokens[i, p_len - len(p):p_len] = torch.tensor(p, device=dev)
+            mask[i, p_len - len(p):p_len] = True
+        recorder = SiteRecorder(self.recipe, self.policy, cfg.num_layers, n_rows, L, self.diagnostics)
+        shape = (cfg.num_layers, n_rows, L, cfg.num_kv_heads, cfg.head_dim)
+        if self.recipe.kv:
+            cache = FP4KVCache(*shape, fmt=self.recipe.fmt, dtype=self.dtype, device=dev, observer=recorder)
+        else:
+            cache = DenseKVCache(*shape, dtype=self.dtype, device=dev)
+        return _GenState(
+            tokens=tokens, mask=mask, prompt_mask=mask.clone(),
+            policy_mask=torch.zeros_like(mask), logprobs=torch.zeros(n_rows, L, device=dev),
+            routing=None, prompt_index=torch.arange(n_rows, device=dev), cache=cache, recorder=recorder,
+            next_logits=torch.zeros(n_rows, cfg.vocab_size, device=dev), cur=0,
+            finished=torch.zeros(n_rows, dtype=torch.bool, device=dev),
+        )
+
+    def _expand(self, st: _GenState, index: torch.Tensor) -> None:
+        for name in ("tokens", "mask", "prompt_mask", "policy_mask", "logprobs", "prompt_index", "next_logits", "finished"):
+            setattr(st, name, getattr(st, name)[index].clone())
+        if st.routing is not None:
+            st.routing = st.routing[:, index].clone()
+        st.cache.expand(index)
+        st.recorder.expand(index)
+
+    def _forward(self, st: _GenState, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Run slots `rows` on columns [start, end) against the cache; stage routing; return logits."""
+        st.cache.set_step(rows, start)
+        st.recorder.set_step(rows, start)
+        handler = RolloutQuant(self.recipe, self._weights, st.recorder)
+        mask = st.mask[rows, :end]
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:end]
+        out = self.model(
+            st.tokens[rows, start:end], attention_mask=mask, position_ids=positions,
+            quant=handler, kv_cache=st.cache, return_routing=True,
+        )
+        ids = _routing_ids(out.routing)  # (L, B_rows, S_new, K)
+        if st.routing is None:
+            L, _, _, K = ids.shape
+            st.routing = torch.zeros(L, st.tokens.shape[0], self.max_len, K, dtype=ids.dtype, device=self.device)
+        st.routing[:, rows, start:end] = ids
+        return out.logits
+
+    def _decode(self, st: _GenState, active: torch.Tensor, pending: list[deque], params: SamplingParams,
+                gen: torch.Generator) -> None:
+        budget = torch.full((len(active),), params.max_new_tokens, device=self.device)
+        stop = torch.tensor(params.stop or [-1], device=self.device)
+        active = active.clone()
+        while bool(active.any()) and st.cur < self.max_len:
+            rows = active.nonzero().squeeze(-1)
+            forced = torch.tensor([len(pending[int(r)]) > 0 for r in rows], dtype=torch.bool, device=self.device)
+            tok = torch.empty(len(rows), dtype=torch.long, device=self.device)
+            lp = torch.zeros(len(rows), device=self.device)
+            if bool(forced.any()):
+                tok[forced] = torch.tensor([pending[int(r)].popleft() for r in rows[forced]], device=self.device)
+            sampled = ~forced
+            if bool(sampled.any()):
+                t, l = sample(st.next_logits[rows[sampled]], params, gen)
+                tok[sampled], lp[sampled] = t, l
+            c = st.cur
+            st.tokens[rows, c] = tok
+            st.mask[rows, c] = True
+            st.policy_mask[rows[sampled], c] = True
+            st.logprobs[rows[sampled], c] = lp[sampled]
+            budget[rows[sampled]] -= 1
+            hit_stop = sampled & torch.isin(tok, stop)
+            done = hit_stop | (sampled & (budget[rows] <= 0))
+            st.finished[rows[hit_stop]] = True
+            # the last token is fed too, so the cache is complete if the episode continues
+            logits = self._forward(st, rows, c, c + 1)
+            st.next_logits[rows] = logits[:, -1].float()
+            active[rows[done]] = False
+            st.cur += 1
+
+    def _finish(self, st: _GenState, t0: float) -> RolloutBatch:
+        length = st.cur
+        valid = st.mask[:, :length]
+        records, reference, bpt = st.recorder.finalize(length, valid)
+        from tracerl.model import RoutingRecord
+
+        batch = RolloutBatch(
+            tokens=st.tokens[:, :length].clone(), attention_mask=valid.clone(),
+            prompt_mask=st.prompt_mask[:, :length].clone(), policy_mask=st.policy_mask[:, :length].clone(),
+            logprobs=st.logprobs[:, :length].clone(), prompt_index=st.prompt_index.clone(),
+            routing=RoutingRecord(st.routing[:, :, :length].clone()) if st.routing is not None else None,
+            guidance=records, reference=reference, guidance_bytes_per_token=bpt, finished=st.finished.clone(),
+            _state=st,
+        )
+        dt = time.perf_counter() - t0
+        batch.stats = {"rollout_s": dt, "generated_tokens": batch.n_generated,
+                       "tok_per_s": batch.n_generated / max(dt, 1e-9)}
+        return batch
+
+
+def _routing_ids(routing) -> torch.Tensor:
+    """(L, B, S, K) expert ids from a model's RoutingRecord."""
+    ids = getattr(routing, "ids", routing)
+    if isinstance(ids, (list, tuple)):
+        ids = torch.stack(list(ids))
+    return ids

@@ -1,0 +1,141 @@
+"""The engine's quant handler: FP4 weights from PackedWeights, FP4 activations, and recording.
+
+Every activation site the recipe quantizes is quantized with round-to-nearest and per-row scales
+(`tracerl.fp4`, the same function the trainer calls). Sites the CachePolicy selects (and, with
+`diagnostics`, every quantized site) are staged per token position in (slots, max_len, ...)
+buffers while the engine generates; `finalize` turns them into compact GuidanceRecords aligned to
+the RolloutBatch's (B, S) token layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tracerl import fp4
+from tracerl.guidance import CachePolicy, GuidanceRecord, near_midpoint
+from tracerl.qat import Recipe
+
+
+@dataclass
+class _Stage:
+    codes: torch.Tensor  # (slots, max_len, *rest, K//2) uint8
+    scales: torch.Tensor  # (slots, max_len, *rest, K//block) uint8 view
+    gscale: torch.Tensor | None  # (slots, max_len, *rest, 1) float32
+    near: torch.Tensor | None  # (slots, max_len, *rest, K) bool, for `ties`
+    k: int
+
+
+class SiteRecorder:
+    """Stages the rollout's quantization outcomes per site and position."""
+
+    def __init__(self, recipe: Recipe, policy: CachePolicy | None, n_layers: int, n_slots: int, max_len: int,
+                 diagnostics: bool = False) -> None:
+        self.recipe, self.policy, self.n_layers = recipe, policy, n_layers
+        self.n_slots, self.max_len, self.diagnostics = n_slots, max_len, diagnostics
+        self.stages: dict[str, _Stage] = {}
+        self.rows = torch.arange(n_slots)
+        self.start = 0
+        self.enabled = True
+
+    def set_step(self, rows: torch.Tensor, start: int) -> None:
+        """The next forward runs slots `rows` with new tokens from column `start`."""
+        self.rows, self.start = rows, start
+
+    def wants(self, site: str) -> bool:
+        """Whether `site` is staged."""
+        if not self.enabled:
+            return False
+        return self.diagnostics or (self.policy is not None and self.policy.records(site, self.n_layers))
+
+    def observe(self, site: str, q: fp4.FP4Tensor, scaled: torch.Tensor) -> None:
+        """Stage a quantization outcome at `site` for the running slots (leading dims (B, S_new))."""
+        if not self.wants(site):
+            return
+        st = self.stages.get(site)
+        rest, k = tuple(q.shape[2:-1]), q.shape[-1]
+        dev = q.codes.device
+        if st is None:
+            lead = (self.n_slots, self.max_len, *rest)
+            need_near = self.policy is not None and self.policy.encoding == "ties"
+            st = _Stage(
+                codes=torch.zeros(*lead, k // 2, dtype=torch.uint8, device=dev),
+                scales=torch.zeros(*lead, q.scales.shape[-1], dtype=torch.uint8, device=dev),
+                gscale=torch.ones(*lead, 1, device=dev) if q.global_scale is not None else None,
+                near=torch.zeros(*lead, k, dtype=torch.bool, device=dev) if need_near else None,
+                k=k,
+            )
+            self.stages[site] = st
+        end = self.start + q.shape[1]
+        st.codes[self.rows, self.start:end] = q.codes
+        st.scales[self.rows, self.start:end] = q.scales.view(torch.uint8)
+        if st.gscale is not None:
+            st.gscale[self.rows, self.start:end] = q.global_scale
+        if st.near is not None:
+            st.near[self.rows, self.start:end] = near_midpoint(scaled, self.policy.delta)
+
+    def expand(self, index: torch.Tensor) -> None:
+        """Re-slot after a shared prefill: slot i becomes a copy of old slot index[i]."""
+        for st in self.stages.values():
+            st.codes = st.codes[index].contiguous()
+            st.scales = st.scales[index].contiguous()
+            if st.gscale is not None:
+                st.gscale = st.gscale[index].contiguous()
+            if st.near is not None:
+                st.near = st.near[index].contiguous()
+        self.n_slots = len(index)
+
+    def _fp4(self, st: _Stage, length: int) -> fp4.FP4Tensor:
+        spec = fp4.FORMATS[self.recipe.fmt]
+        codes = st.codes[:, :length]
+        return fp4.FP4Tensor(
+            codes=codes,
+            scales=st.scales[:, :length].view(spec.scale_dtype),
+            global_scale=None if st.gscale is None else st.gscale[:, :length],
+            fmt=self.recipe.fmt,
+            shape=torch.Size((*codes.shape[:-1], st.k)),
+        )
+
+    def finalize(self, length: int, valid: torch.Tensor) -> tuple[dict[str, GuidanceRecord], dict[str, fp4.FP4Tensor], float]:
+        """(policy records, diagnostic reference codes, record bytes per valid token) over columns [0, length)."""
+        records: dict[str, GuidanceRecord] = {}
+        reference: dict[str, fp4.FP4Tensor] = {}
+        n_valid = max(int(valid.sum()), 1)
+        frac_valid = n_valid / valid.numel()
+        total_bytes = 0.0
+        for site, st in self.stages.items():
+            q = self._fp4(st, length)
+            if self.diagnostics:
+                reference[site] = q
+            if self.policy is None or not self.policy.records(site, self.n_layers):
+                continue
+            near = None
+            if st.near is not None:
+                v = valid.reshape(*valid.shape, *([1] * (st.near.dim() - 2)))
+                near = st.near[:, :length] & v
+            rec = GuidanceRecord.from_quantized(q, self.policy.encoding, self.policy.fields, near_tie=near,
+                                                delta=self.policy.delta)
+            records[site] = rec
+            # dense parts scale with every (B, S) position; sparse tie entries exist only for valid ones
+            sparse = sum(t.numel() * t.element_size() for t in (rec.tie_cols, rec.tie_bits) if t is not None)
+            total_bytes += (rec.payload_nbytes - sparse) * frac_valid + sparse
+        return records, reference, total_bytes / n_valid
+
+
+class RolloutQuant:
+    """QuantHandler of the engine: packed FP4 weights (dequantized once per load) and FP4 activations."""
+
+    def __init__(self, recipe: Recipe, weights: dict[str, torch.Tensor], recorder: SiteRecorder | None) -> None:
+        self.recipe, self.weights, self.recorder = recipe, weights, recorder
+
+    def weight(self, site: str, w: torch.Tensor) -> torch.Tensor:
+        return self.weights.get(site, w)
+
+    def act(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        if not self.recipe.quantizes(site):
+            return x
+        q, scaled = fp4._quantize_with_values(x, self.recipe.fmt, "rtn", per_row_global=True, name=site)
+        if self.recorder is not None:
+            self.recorder.observe(site, q, scaled)
+        return fp4.dequantize(q, x.dtype)
