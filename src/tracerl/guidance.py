@@ -77,8 +77,8 @@ class GuidanceRecord:
     global_scale: torch.Tensor | None = None  # (..., 1) float32 (nvfp4)
     codes: torch.Tensor | None = None  # encoding codes: (..., K//2) uint8 packed codes
     lsb: torch.Tensor | None = None  # encoding lsb: (..., ceil(K/8)) uint8 packed bits
-    tie_counts: torch.Tensor | None = None  # encoding ties: (rows,) int16-as-uint16 counts
-    tie_cols: torch.Tensor | None = None  # (nnz,) uint16 column of each kept element
+    tie_counts: torch.Tensor | None = None  # encoding ties: (rows,) uint8/uint16 count per row
+    tie_cols: torch.Tensor | None = None  # (nnz,) uint8/uint16 column of each kept element
     tie_bits: torch.Tensor | None = None  # (ceil(nnz/8),) uint8 packed lsb of each kept element
 
     # ------------------------------------------------------------------ building
@@ -110,15 +110,22 @@ class GuidanceRecord:
             else:
                 if near_tie is None:
                     raise ValueError("a `ties` record needs the near-midpoint mask (use guidance.record)")
-                k = shape[-1]
-                if k > 65535:
-                    raise ValueError(f"`ties` stores uint16 columns; last dim {k} exceeds 65535")
-                flat = near_tie.reshape(-1, k)
-                rec.tie_counts = flat.sum(-1).to(torch.int32).to(torch.uint16)
-                rows, cols = flat.nonzero(as_tuple=True)
-                rec.tie_cols = cols.to(torch.int32).to(torch.uint16)
-                rec.tie_bits = pack_bits(bit.reshape(-1, k)[rows, cols])
+                rec._set_ties(near_tie, bit)
         return rec
+
+    def _set_ties(self, near_tie: torch.Tensor, bit: torch.Tensor) -> None:
+        """Encode the sparse `ties` fields from a dense mask and the rollout's lsb bits."""
+        k = self.shape[-1]
+        if k > 65536:
+            raise ValueError(f"`ties` stores at most uint16 columns; last dim {k} exceeds 65536")
+        # the narrowest integer that holds a row's count (<= k) and a column (< k)
+        count_dtype = torch.uint8 if k <= 255 else torch.uint16
+        col_dtype = torch.uint8 if k <= 256 else torch.uint16
+        flat = near_tie.reshape(-1, k)
+        self.tie_counts = flat.sum(-1).to(torch.int32).to(count_dtype)
+        rows, cols = flat.nonzero(as_tuple=True)
+        self.tie_cols = cols.to(torch.int32).to(col_dtype)
+        self.tie_bits = pack_bits(bit.reshape(-1, k)[rows, cols])
 
     # ------------------------------------------------------------------ applying
 
@@ -156,12 +163,7 @@ class GuidanceRecord:
             sel = torch.arange(lead)[index]
             mask = g.mask[sel]
             out = GuidanceRecord(self.fmt, "ties", self.fields, tuple(mask.shape), delta=self.delta)
-            k = self.shape[-1]
-            flat = mask.reshape(-1, k)
-            out.tie_counts = flat.sum(-1).to(torch.int32).to(torch.uint16)
-            r, c = flat.nonzero(as_tuple=True)
-            out.tie_cols = c.to(torch.int32).to(torch.uint16)
-            out.tie_bits = pack_bits(g.bit[sel].reshape(-1, k)[r, c])
+            out._set_ties(mask, g.bit[sel])
             if self.scales is not None:
                 out.scales = self.scales[index]
                 out.global_scale = self.global_scale[index] if self.global_scale is not None else None

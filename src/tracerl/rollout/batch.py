@@ -68,7 +68,7 @@ class RolloutBatch:
 
     def select(self, rows: torch.Tensor) -> RolloutBatch:
         """A micro-batch of rows, with records sliced to match (engine state is not carried)."""
-        routing = None if self.routing is None else self.routing.select(rows)
+        routing = None if self.routing is None else self.routing[rows]
         return RolloutBatch(
             tokens=self.tokens[rows], attention_mask=self.attention_mask[rows], prompt_mask=self.prompt_mask[rows],
             policy_mask=self.policy_mask[rows], logprobs=self.logprobs[rows], prompt_index=self.prompt_index[rows],

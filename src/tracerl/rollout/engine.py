@@ -75,7 +75,7 @@ class Engine:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._weights: dict[str, torch.Tensor] = {}
-        self.load_weights(model.pack_weights(self.recipe))
+        self.load_weights(model.pack_weights(self.recipe, dtype=dtype))
 
     # ------------------------------------------------------------------ weights
 
@@ -84,14 +84,16 @@ class Engine:
         if getattr(packed, "recipe", self.recipe) != self.recipe:
             raise ValueError(f"PackedWeights were packed for {packed.recipe}, the engine runs {self.recipe}")
         params = dict(self.model.named_parameters())
+        sites = self.model.weight_sites()  # weight site -> parameter name
         weights: dict[str, torch.Tensor] = {}
         for name, t in packed.items():
             if isinstance(t, fp4.FP4Tensor):
                 weights[name] = fp4.dequantize(t.to(self.device), self.dtype)
-            elif name in params:
-                params[name].copy_(t.to(device=self.device, dtype=self.dtype))
-            else:
+                continue
+            pname = sites.get(name, name)
+            if pname not in params:
                 raise KeyError(f"PackedWeights entry {name!r} matches no engine parameter or quant site")
+            params[pname].copy_(t.to(device=self.device, dtype=self.dtype))
         self._weights = weights
 
     # ------------------------------------------------------------------ public API
@@ -201,7 +203,7 @@ class Engine:
             st.tokens[rows, start:end], attention_mask=mask, position_ids=positions,
             quant=handler, kv_cache=st.cache, return_routing=True,
         )
-        ids = _routing_ids(out.routing)  # (L, B_rows, S_new, K)
+        ids = out.routing.expert_ids  # (L, B_rows, S_new, K)
         if st.routing is None:
             L, _, _, K = ids.shape
             st.routing = torch.zeros(L, st.tokens.shape[0], self.max_len, K, dtype=ids.dtype, device=self.device)
@@ -249,7 +251,8 @@ class Engine:
             tokens=st.tokens[:, :length].clone(), attention_mask=valid.clone(),
             prompt_mask=st.prompt_mask[:, :length].clone(), policy_mask=st.policy_mask[:, :length].clone(),
             logprobs=st.logprobs[:, :length].clone(), prompt_index=st.prompt_index.clone(),
-            routing=RoutingRecord(st.routing[:, :, :length].clone()) if st.routing is not None else None,
+            routing=RoutingRecord(st.routing[:, :, :length].clone(), self.config.moe_layers, self.config.num_experts)
+            if st.routing is not None else None,
             guidance=records, reference=reference, guidance_bytes_per_token=bpt, finished=st.finished.clone(),
             _state=st,
         )
@@ -257,11 +260,3 @@ class Engine:
         batch.stats = {"rollout_s": dt, "generated_tokens": batch.n_generated,
                        "tok_per_s": batch.n_generated / max(dt, 1e-9)}
         return batch
-
-
-def _routing_ids(routing) -> torch.Tensor:
-    """(L, B, S, K) expert ids from a model's RoutingRecord."""
-    ids = getattr(routing, "ids", routing)
-    if isinstance(ids, (list, tuple)):
-        ids = torch.stack(list(ids))
-    return ids
