@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -125,6 +125,10 @@ class QuantHandler(Protocol):
         """The activation (linear input, or K/V written to the cache) to compute with at `site`."""
         ...
 
+    # Optional: `weight_group(items: Sequence[tuple[str, Tensor]]) -> list[Tensor]` for a fused
+    # group (q/k/v) whose members share one NVFP4 global scale; models call it through the
+    # module-level `weight_group`, which falls back to `weight` per member.
+
 
 class NoQuant:
     """The plain model: every site passes through."""
@@ -144,16 +148,49 @@ def weight_global_scale(w: torch.Tensor) -> torch.Tensor:
     return fp4.nvfp4_global_scale(flat, per_row=True).reshape(w.shape[0], *([1] * (w.dim() - 1)))
 
 
-def quantize_weight(w: torch.Tensor, fmt: str, name: str = "weight") -> fp4.FP4Tensor:
-    """Quantize a (stacked) weight along its input dim with one global scale per matrix."""
-    gs = weight_global_scale(w) if fp4.format_spec(fmt).has_global_scale else None
-    return fp4.quantize(w, fmt, global_scale=gs, name=name)
+def shared_weight_global_scale(ws: Sequence[torch.Tensor], fmt: str) -> torch.Tensor | None:
+    """One NVFP4 global scale for a fused group of 2-D weights (q/k/v): 2688 / max of their amaxes.
+
+    This is what vLLM and llm-compressor use for fused partitions; equal, bit for bit, to
+    `weight_global_scale(torch.cat(ws))`. None for formats without a global scale or an empty group.
+    """
+    if not ws or not fp4.format_spec(fmt).has_global_scale:
+        return None
+    amaxes = torch.stack([w.detach().abs().amax() for w in ws])
+    return fp4.nvfp4_global_scale(amaxes)
 
 
-def fake_quantize_weight(w: torch.Tensor, fmt: str, name: str = "weight") -> torch.Tensor:
+def quantize_weight(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> fp4.FP4Tensor:
+    """Quantize a (stacked) weight along its input dim with one global scale per matrix.
+
+    `global_scale` overrides the computed one (a fused group's shared scale).
+    """
+    if global_scale is None and fp4.format_spec(fmt).has_global_scale:
+        global_scale = weight_global_scale(w)
+    return fp4.quantize(w, fmt, global_scale=global_scale, name=name)
+
+
+def fake_quantize_weight(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Differentiable (STE) fake-quant of a weight; bit-identical to dequantize(quantize_weight(w))."""
-    gs = weight_global_scale(w.detach()) if fp4.format_spec(fmt).has_global_scale else None
-    return fp4.fake_quantize(w, fmt, global_scale=gs, name=name)
+    if global_scale is None and fp4.format_spec(fmt).has_global_scale:
+        global_scale = weight_global_scale(w.detach())
+    return fp4.fake_quantize(w, fmt, global_scale=global_scale, name=name)
+
+
+def weight_group(handler: QuantHandler, items: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The weights to compute with for a fused group [(site, w), ...] (q/k/v of one layer).
+
+    Handlers that implement `weight_group(items)` quantize the group with one shared global scale;
+    for the others this is `handler.weight(site, w)` per member.
+    """
+    fn = getattr(handler, "weight_group", None)
+    if fn is not None:
+        return list(fn(items))
+    return [handler.weight(site, w) for site, w in items]
 
 
 @dataclass
@@ -186,6 +223,13 @@ class FakeQuant:
         if not self.recipe.quantizes(site):
             return w
         return fake_quantize_weight(w, self.recipe.fmt, name=site)
+
+    def weight_group(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """A fused group (q/k/v): the quantized members share one global scale (see `weight_group`)."""
+        members = [w for site, w in items if self.recipe.quantizes(site)]
+        gs = shared_weight_global_scale(members, self.recipe.fmt)
+        return [fake_quantize_weight(w, self.recipe.fmt, name=site, global_scale=gs)
+                if self.recipe.quantizes(site) else w for site, w in items]
 
     def act(self, site: str, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.quantizes(site):
