@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -309,7 +310,7 @@ def test_cannot_kill_its_parent(sandbox: Sandbox) -> None:
 # directory, and the parent's environment and memory through /proc.
 HUNTER = r'''
 import gc, os, sys
-def f(x):
+def f(x, look_in_parent=True):
     needle = b"EXPECTED-"
     for o in gc.get_objects():
         for v in (o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()):
@@ -332,6 +333,8 @@ def f(x):
         if needle in data:
             return data[data.index(needle):][:41].decode()
     ppid = os.getppid()
+    if not look_in_parent:
+        return "not found"
     try:
         data = open(f"/proc/{ppid}/environ", "rb").read()
         if needle in data:
@@ -370,7 +373,10 @@ def f(x):
 def test_cannot_read_expected_outputs(sandbox: Sandbox) -> None:
     expected = "EXPECTED-" + secrets.token_hex(16)  # unguessable, and not derivable from the input
     limits = SandboxLimits(cpu_s=3.0, wall_s=8.0, memory_mb=512)
-    r = sandbox.run(HUNTER, [[7]], limits)
+    # Same uid without Landlock: the parent's memory is readable through /proc (documented); then only
+    # what the child itself was given is checked.
+    strong = landlock_or_root(sandbox)
+    r = sandbox.run(HUNTER, [[7, strong]], limits)
     assert r.status == "ok", r
     assert r.outputs[0].value != expected and expected not in r.stdout
     reward = score_outputs(r, [expected])
@@ -380,7 +386,9 @@ def test_cannot_read_expected_outputs(sandbox: Sandbox) -> None:
         # Control: without the uid drop and Landlock, the same program does find it in our memory,
         # so the check above is testing the sandbox, not a weak hunter.
         weak = Sandbox(limits, landlock=False, drop_privileges=False)
-        assert weak.run(HUNTER, [[7]]).outputs[0].value == expected
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the weak-sandbox warning, expected here
+            assert weak.run(HUNTER, [[7]]).outputs[0].value == expected
 
 
 def test_run_many_runs_in_parallel_without_leaks(sandbox: Sandbox) -> None:

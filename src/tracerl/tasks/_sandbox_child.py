@@ -246,16 +246,21 @@ def _harden(req):
             __import__(name)
         except ImportError:
             pass
-    net = _isolate_network(libc) if not lim["allow_network"] else "allowed"
-    applied["network"] = net or _block_sockets()
-    workdir_fd = os.open(".", os.O_PATH | os.O_DIRECTORY)
     target_uid = req.get("uid")
+    # Counted before any user namespace exists: inside one, /proc shows every unmapped process as nobody.
+    mine = _count_my_processes(os.getuid()) if target_uid is None else 0
+    if lim["allow_network"]:
+        net = "allowed"
+    else:
+        net = _isolate_network(libc) if lim["namespaces"] else ""
+    applied["network"] = net or _block_sockets()  # the fallback: a Python-level block only
+    workdir_fd = os.open(".", os.O_PATH | os.O_DIRECTORY)
     if not lim["landlock"]:
         abi = 0
     else:
         abi = _landlock(libc, workdir_fd)
     applied["landlock_abi"] = abi
-    if abi == 0 and os.geteuid() == 0:
+    if abi == 0 and os.geteuid() == 0 and lim["namespaces"]:
         applied["filesystem"] = _private_tmp(libc, int(lim["file_size_mb"] * 2**20))
     os.close(workdir_fd)
 
@@ -279,8 +284,12 @@ def _harden(req):
         applied["uid"] = target_uid
         _reach_path_dirs(path_fds)
     else:
-        # Same uid as the parent: NPROC counts all of this user's processes, so allow only that many more.
-        nproc = _count_my_processes(os.getuid()) + lim["max_processes"] - 1
+        if net == "userns+netns":
+            # NPROC is counted per user namespace, and ours holds only this process: the limit is exact.
+            nproc = lim["max_processes"]
+        else:
+            # Same uid as the parent: NPROC counts all of this user's processes, so allow only that many more.
+            nproc = mine + lim["max_processes"] - 1
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         applied["uid"] = os.getuid()
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no core dumps, no ptrace-read of this process by peers

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -199,14 +200,20 @@ def _rmtree(path: str) -> None:
 
 
 class Sandbox:
-    """Runs programs in contained child processes; see the module docstring for the protections."""
+    """Runs programs in contained child processes; see the module docstring for the protections.
+
+    The switches turn protections off (for tests of the fallbacks, or trusted code): `network=True`
+    allows it; `namespaces=False` skips unshare (sockets are then blocked by patching `socket`);
+    `landlock=False` skips Landlock; `drop_privileges=False` keeps root's uid.
+    """
 
     def __init__(self, limits: SandboxLimits | None = None, *, preload: Sequence[str] = DEFAULT_PRELOAD,
-                 network: bool = False, landlock: bool = True, drop_privileges: bool = True,
+                 network: bool = False, namespaces: bool = True, landlock: bool = True, drop_privileges: bool = True,
                  workdir_root: str | None = None, python: str = sys.executable) -> None:
         self.limits = limits or SandboxLimits()
         self.preload = tuple(preload)
         self.network = network
+        self.namespaces = namespaces
         self.landlock = landlock
         self.drop_privileges = drop_privileges
         self.workdir_root = workdir_root
@@ -228,7 +235,8 @@ class Sandbox:
             request = {
                 "code": code, "entry": entry, "inputs": [list(a) for a in inputs], "result_fd": result_w, "uid": uid,
                 "preload": self.preload,
-                "limits": {**asdict(lim), "allow_network": self.network, "landlock": self.landlock},
+                "limits": {**asdict(lim), "allow_network": self.network, "namespaces": self.namespaces,
+                           "landlock": self.landlock},
             }
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
                    "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
@@ -318,6 +326,8 @@ class Sandbox:
             bufs[result_r] += chunk
         res = _parse_results(bytes(bufs[result_r]), n_inputs)
         status, detail = _classify(killed, rc, cpu, lim, res)
+        if res["ready"] and uid is None and not res["applied"].get("landlock_abi"):
+            _warn_weak_once()
         return SandboxResult(
             status=status, detail=detail, outputs=res["outputs"], returncode=rc,
             stdout=bytes(bufs[out_fd][: lim.output_bytes]).decode("utf-8", "replace"),
@@ -346,6 +356,19 @@ class Sandbox:
                 stream.close()
         _REGISTRY.remove(proc.pid)
         return proc.returncode, cpu
+
+
+_WARNED = threading.Event()
+
+
+def _warn_weak_once() -> None:
+    if not _WARNED.is_set():
+        _WARNED.set()
+        warnings.warn(
+            "sandbox: no Landlock and not root, so programs run as your user: they cannot fork, use the network "
+            "or see os.environ, but can read your files and /proc/<pid> of your other processes (expected "
+            "outputs in this process's memory included). Use a kernel with Landlock (5.13+) or run as root.",
+            RuntimeWarning, stacklevel=3)
 
 
 def _read(fd: int) -> bytes | None:
