@@ -85,7 +85,7 @@ def _global_scale(amax, IN_DTYPE: tl.constexpr):
         a = tl.maximum(amax, 6.103515625e-05)
     else:
         a = tl.maximum(amax, 1.1754943508222875e-38)
-    r = _round_to_dtype(tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a), IN_DTYPE)
+    r = _round_to_dtype(tl.math.div_rn(1.0, a), IN_DTYPE)
     g = _round_to_dtype(r * 2688.0, IN_DTYPE)
     return tl.where(g > 3.4028234663852886e38, 1.0, g)
 
@@ -115,7 +115,7 @@ def _e4m3_value(byte):
 @triton.jit
 def _nv_scale_byte(amax_b, gs, IN_DTYPE: tl.constexpr):
     """fp4.nvfp4_block_scales: e4m3(clamp(gs * (amax_b / 6 in the input dtype), 448)), 0 -> 0.125."""
-    s = _round_to_dtype(tl.math.div_rn(amax_b, tl.full(amax_b.shape, 6.0, tl.float32)), IN_DTYPE)
+    s = _round_to_dtype(tl.math.div_rn(amax_b, 6.0), IN_DTYPE)
     s = tl.minimum(gs * s, 448.0)
     byte = _e4m3_byte(s)
     return tl.where(byte == 0, 0x20, byte)
@@ -292,7 +292,7 @@ def _absmax_kernel(x_ptr, amax_ptr, N, ITERS, BLOCK: tl.constexpr, IN_DTYPE: tl.
     tl.atomic_max(amax_ptr, _bits(tl.max(acc, axis=0)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ss", "sg", "st", "sm", "sr"])
 def _quant_kernel(
     x_ptr, codes_ptr, scales_ptr, gs_ptr, gs_out_ptr, tgt_ptr, mask_ptr, rec_ptr,
     M, K, sx, sc, ss, sg, st, sm, sr,
@@ -333,7 +333,7 @@ def _quant_kernel(
                     sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, BM, NB, B)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ss", "sg"])
 def _dequant_kernel(
     codes_ptr, scales_ptr, gs_ptr, out_ptr,
     M, K, sc, ss, sg, so,
