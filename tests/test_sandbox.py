@@ -48,6 +48,15 @@ def test_runs_function_and_reports_each_call(sandbox: Sandbox) -> None:
     assert_contained(r)
 
 
+def test_another_interpreter_gets_the_source(monkeypatch) -> None:
+    # The child normally travels precompiled (marshal, tied to one interpreter version); an interpreter
+    # other than ours must get the source instead and behave the same.
+    real = sys.executable
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    r = Sandbox(LIMITS, python=real).run("def f(x):\n    return x + 1\n", [[1]])
+    assert r.status == "ok" and r.outputs[0].value == 2
+
+
 def test_load_errors_and_missing_entry(sandbox: Sandbox) -> None:
     r = sandbox.run("def f(x) return x\n", [[1]])
     assert r.status == "load_error" and "SyntaxError" in r.detail and r.outputs == [None]
