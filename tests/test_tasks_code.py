@@ -9,7 +9,7 @@ import pytest
 from tracerl import tasks
 from tracerl.tasks import Prompt
 from tracerl.tasks.code import TEMPLATES, CodeTask, same
-from tracerl.tasks.humaneval import HumanEvalTask, truncate
+from tracerl.tasks.humaneval import HumanEvalTask, to_ascii, truncate
 from tracerl.tokenizer import CharTokenizer
 
 
@@ -116,6 +116,17 @@ def test_humaneval_canonical_solutions_pass_and_stubs_fail(humaneval: HumanEvalT
 def test_humaneval_hashlib_problem_imports_inside_the_sandbox(humaneval: HumanEvalTask) -> None:
     p = next(p for p in humaneval.prompts() if p.id == "HumanEval/162")  # imports hashlib in the solution
     assert humaneval.reward(p, humaneval.solve(p)).value == 1.0
+
+
+def test_humaneval_prompts_fit_the_char_tokenizer(humaneval: HumanEvalTask) -> None:
+    ps = humaneval.prompts()
+    for p in ps:
+        humaneval.tokenizer.encode(p.text)  # raises on a character outside the vocabulary
+    affected = [p for p in ps if p.text != humaneval.problems[p.id]["prompt"]]
+    assert 0 < len(affected) <= 12
+    assert [r.value for r in tasks.rewards(humaneval, affected, [humaneval.solve(p) for p in affected])] == \
+        [1.0] * len(affected)
+    assert to_ascii("a \u279e b\t\u2264 \u00e9\u4e2d") == "a -> b    <= e?"
 
 
 def test_truncate_at_stop_sequences() -> None:

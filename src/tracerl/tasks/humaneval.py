@@ -4,21 +4,38 @@ The policy continues the function signature and docstring; the completion is cut
 sequences, then the problem's own `check(candidate)` runs in the `Sandbox`. Reward is pass/fail, so
 the mean over problems is pass@1. Unlike `code`, the child sees the test code here (HumanEval's tests
 are assert statements, not input/output pairs): it is an evaluation for real models, not a reward to
-train against. There is only a test split.
+train against. There is only a test split. With the char tokenizer, the few non-ASCII characters in
+prompts (arrows, <= signs in docstrings) are replaced by ASCII look-alikes.
 """
 
 from __future__ import annotations
 
 import random
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
 from tracerl.tasks.base import Prompt, Reward, check_split, zero
 from tracerl.tasks.sandbox import Job, Sandbox, SandboxLimits
-from tracerl.tokenizer import load_tokenizer
+from tracerl.tokenizer import CharTokenizer, load_tokenizer
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # as in the Codex paper's evaluation
+# Ten prompts hold non-ASCII characters (in docstrings) that CharTokenizer cannot encode.
+_ASCII = {"\u279e": "->", "\u2264": "<=", "\u2265": ">=", "\t": "    ", "\u2019": "'", "\u2018": "'",
+          "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-", "\u2026": "..."}
 CHECK_ENTRY = "__tracerl_check__"
+
+
+def to_ascii(text: str) -> str:
+    """Replace characters outside printable ASCII (and newline) by ASCII look-alikes, else '?'."""
+    out = []
+    for ch in text:
+        if ch == "\n" or " " <= ch <= "~":
+            out.append(ch)
+        else:
+            alt = _ASCII.get(ch) or unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
+            out.append(alt or "?")
+    return "".join(out)
 
 
 def truncate(completion: str) -> str:
@@ -62,7 +79,9 @@ class HumanEvalTask:
     def _prompt(self, task_id: str) -> Prompt:
         p = self.problems[task_id]
         meta = {"task_id": task_id, "entry_point": p["entry_point"], "test": p["test"]}
-        return Prompt(p["prompt"], meta, self.name, task_id)
+        # The char tokenizer cannot encode them; the characters only occur in docstrings, so this is safe.
+        text = to_ascii(p["prompt"]) if isinstance(self.tokenizer, CharTokenizer) else p["prompt"]
+        return Prompt(text, meta, self.name, task_id)
 
     def solve(self, prompt: Prompt) -> str:
         """The canonical solution (a reference completion)."""
