@@ -83,6 +83,7 @@ def test_sleep_hits_wall_limit(sandbox: Sandbox) -> None:
     lim = SandboxLimits(cpu_s=1.0, wall_s=1.0)
     r = sandbox.run("import time\ndef f(x):\n    time.sleep(100)\n", [[1]], lim)
     assert r.status == "timeout" and r.wall_s < 2.0
+    assert score_outputs(r, [1]).info["reason"] == "timeout"
     assert_contained(r)
 
 
@@ -128,6 +129,7 @@ def test_fork_bomb_forever_is_stopped(sandbox: Sandbox) -> None:
     code = "import os\ndef f(x):\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n"
     r = sandbox.run(code, [[0]])
     assert r.status == "cpu_limit"
+    assert score_outputs(r, [0]).info["reason"] == "cpu_limit"
     assert_contained(r)
 
 
@@ -148,6 +150,7 @@ def test_memory_bomb_raises_memory_error(sandbox: Sandbox) -> None:
     assert r.status == "ok"
     assert r.outputs[0].value == 1000  # small allocations still work
     assert r.outputs[1].error.startswith("MemoryError") and r.outputs[2].error.startswith("MemoryError")
+    assert score_outputs(r, [1000, 2**34, 0]).value == pytest.approx(1 / 3)  # only the honest call scores
     assert_contained(r)
 
 
