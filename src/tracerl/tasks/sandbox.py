@@ -207,7 +207,7 @@ def _rmtree(path: str) -> None:
         except OSError:
             pass
 
-    shutil.rmtree(path, onexc=fix) if sys.version_info >= (3, 12) else shutil.rmtree(path, onerror=fix)
+    shutil.rmtree(path, onerror=fix)  # Python 3.11 (pinned); 3.12 renames this to onexc
 
 
 class Sandbox:
@@ -285,13 +285,14 @@ class Sandbox:
             futures = [pool.submit(self.run, j.code, j.inputs, limits, j.entry) for j in norm]
             return [f.result() for f in futures]
 
-    def _supervise(self, proc: subprocess.Popen[bytes], result_r: int, request: bytes, n_inputs: int,
+    def _supervise(self, proc: subprocess.Popen[bytes], result_r: int, payload: bytes, n_inputs: int,
                    lim: SandboxLimits, t0: float, uid: int | None) -> SandboxResult:
+        """Feed stdin, drain stdout/stderr/results under their caps, enforce the wall limit, then classify."""
         assert proc.stdin and proc.stdout and proc.stderr
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         bufs = {out_fd: bytearray(), err_fd: bytearray(), result_r: bytearray()}
         caps = {out_fd: lim.output_bytes, err_fd: lim.output_bytes, result_r: lim.result_bytes}
-        pending = memoryview(request)
+        pending = memoryview(payload)
         sel = selectors.DefaultSelector()
         for fd in bufs:
             os.set_blocking(fd, False)
