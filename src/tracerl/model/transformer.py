@@ -221,6 +221,13 @@ class MoEModel(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @staticmethod
+    def from_pretrained(path, *, dtype: torch.dtype | None = None, device=None) -> MoEModel:
+        """Load a Hugging Face checkpoint folder (see hf.from_pretrained)."""
+        from tracerl.model.hf import from_pretrained
+
+        return from_pretrained(path, dtype=dtype, device=device)
+
 
 def build(
     preset: str | ModelConfig = "tiny",
