@@ -113,6 +113,13 @@ def test_humaneval_canonical_solutions_pass_and_stubs_fail(humaneval: HumanEvalT
     assert broken.value == 0.0 and broken.info["reason"] == "load_error"
 
 
+@pytest.mark.slow
+def test_humaneval_all_canonical_solutions_pass(humaneval: HumanEvalTask) -> None:
+    ps = humaneval.prompts()
+    rewards = tasks.rewards(humaneval, ps, [humaneval.solve(p) for p in ps])
+    assert [p.id for p, r in zip(ps, rewards) if r.value != 1.0] == []
+
+
 def test_humaneval_hashlib_problem_imports_inside_the_sandbox(humaneval: HumanEvalTask) -> None:
     p = next(p for p in humaneval.prompts() if p.id == "HumanEval/162")  # imports hashlib in the solution
     assert humaneval.reward(p, humaneval.solve(p)).value == 1.0
