@@ -103,17 +103,14 @@ def test_humaneval_prompts(humaneval: HumanEvalTask) -> None:
         humaneval.prompts("train", 5)
 
 
-def test_humaneval_canonical_solutions_pass_and_stubs_fail(humaneval: HumanEvalTask) -> None:
+def test_humaneval_stubs_fail(humaneval: HumanEvalTask) -> None:
     ps = humaneval.prompts("test", 8, seed=0)
-    good = tasks.rewards(humaneval, ps, [humaneval.solve(p) for p in ps])
-    assert [r.value for r in good] == [1.0] * 8, [r.info for r in good]
     bad = tasks.rewards(humaneval, ps, ["    pass\n"] * 8)
     assert all(r.value == 0.0 and r.info["reason"] == "test_failed" for r in bad)
     broken = humaneval.reward(ps[0], "    return (\n")
     assert broken.value == 0.0 and broken.info["reason"] == "load_error"
 
 
-@pytest.mark.slow
 def test_humaneval_all_canonical_solutions_pass(humaneval: HumanEvalTask) -> None:
     ps = humaneval.prompts()
     rewards = tasks.rewards(humaneval, ps, [humaneval.solve(p) for p in ps])
