@@ -32,7 +32,7 @@ gpu = pytest.mark.skipif(not (CUDA and kernels.triton_available()), reason="need
 
 FMTS = ["nvfp4", "mxfp4"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KINDS = ["normal", "student_t", "lognormal", "tiny", "huge", "ties", "zero_blocks", "zeros"]
+KINDS = ["normal", "student_t", "lognormal", "tiny", "huge", "ties", "near_ties", "zero_blocks", "zeros"]
 GUIDES = ["target", "target_nibbles", "target_random", "bit", "bit_packed", "target_mask", "bit_mask_packed",
           "scales", "scales_target", "scales_bit_packed_mask"]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -66,12 +66,17 @@ def make_x(kind: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str, seed
             xb = x.reshape(-1, K // B, B)
             xb[..., 5] = -1e-12
             xb[..., 6] = -1e-20
+    elif kind == "near_ties":  # the tie inputs moved by -2..2 ulps of the dtype: quotients next to ties
+        x = make_x("ties", shape, dtype, fmt, seed)
+        bits = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
+        step = torch.randint(-2, 3, shape, generator=g).to(bits.dtype) * (x != 0)
+        return (bits + step).view(dtype)
     elif kind == "ties":
         # exact E2M1 midpoints (and grid points) times an exactly representable block scale; the
         # first element of every block is 6 * scale, so the block scale is that scale (for nvfp4
         # with global_scale 1: the e4m3 value itself)
         rows = int(torch.tensor(shape[:-1]).prod()) if len(shape) > 1 else 1
-        pts = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        pts = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
         v = pts[torch.randint(0, len(pts), (rows, K // B, B), generator=g)]
         v = v * (torch.randint(0, 2, v.shape, generator=g) * 2 - 1)
         v[..., 0] = 6.0
@@ -80,6 +85,7 @@ def make_x(kind: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str, seed
         else:
             s8 = torch.tensor([0.25, 0.5, 0.625, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0])
             scale = s8[torch.randint(0, len(s8), (rows, K // B, 1), generator=g)]
+        v[0, 0, 3] = 0.0  # a zero beside nonzeros: the tile holding row 0 takes the div.rn path
         x = (v * scale).reshape(shape)
     elif kind == "zero_blocks":
         xb = randn().reshape(-1, K // B, B)
@@ -100,7 +106,7 @@ def make_x(kind: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str, seed
 
 def given_global_scale(x: torch.Tensor, kind: str) -> torch.Tensor:
     """A caller-supplied global scale: 1 for the tie inputs (exact scales), else 0.75 * 2688/amax."""
-    if kind == "ties":
+    if kind in ("ties", "near_ties"):
         return torch.ones(1, device=x.device)
     return fp4.nvfp4_global_scale(x) * 0.75
 
@@ -239,6 +245,23 @@ def check_probes(fq, device) -> None:
         amax = amax.to(dt).float().clamp(max=torch.finfo(dt).max)
         want = fp4.nvfp4_global_scale(amax.to(dt).reshape(-1, 1).to(device), per_row=True).reshape(-1).cpu()
         assert_bits_equal(fq.probe("global_scale", amax.to(device), dt).cpu(), want.view(torch.int32), f"global scale {dt}")
+
+    # division: FMA (Markstein) and div.rn against IEEE division on the CPU, near E2M1 ties
+    b = torch.exp(torch.rand(1000, generator=g) * 62 - 20) * 2.0 ** torch.randint(-10, 30, (1000,), generator=g)
+    b = torch.cat([b, (b.view(torch.int32) | 0x7FFFFF).view(torch.float32), torch.tensor([6.0, 1.0, 0.625])])
+    ratio = torch.cat([pts[1:], torch.rand(14, generator=g) * 8, 2.0 ** -torch.randint(0, 61, (14,), generator=g).float()])
+    a = _with_neighbours((b[:, None] * ratio[None, :]).reshape(-1), 2)
+    b = b[:, None].expand(-1, ratio.numel()).reshape(-1).repeat(5)
+    keep = (a <= 8 * b) & (a >= b * 2.0 ** -61)
+    a, b = a[keep], b[keep]
+    want = (a / b).view(torch.int32)
+    for what in ("div_fast", "div_rn"):
+        got = fq.probe(what, a.to(device), divisor=b.to(device)).cpu()
+        assert_bits_equal(got, want, what)
+    a = torch.cat([a, -a, a * 2.0 ** -100, torch.tensor([1e-45, 1e-40, 0.0])])
+    b = torch.cat([b, b, b, torch.tensor([1.0, 3.0, 5.0])])
+    assert_bits_equal(fq.probe("div_rn", a.to(device), divisor=b.to(device)).cpu(), (a / b).view(torch.int32),
+                      "div_rn incl. subnormal results")
 
     m = torch.cat([torch.exp(torch.rand(20000, generator=g) * 170 - 85), torch.tensor([0.0, 1e-45, 1e-40, 6.0, 7.0, 3e38, 3.4e38])])
     m = torch.cat([m, _with_neighbours(2.0 ** torch.arange(-126, 127).float() * 1.75, 1)]).clamp(0, 3.4e38)
@@ -429,7 +452,9 @@ def test_dispatch_gpu_runs_triton():
 
 # ----------------------------------------------------------------------------- interpreter (CPU)
 
-# triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.3 refuses: patch that
+# Two fixes to triton 3.6's interpreter: it calls int() on 1-element arrays, which numpy >= 2.3
+# refuses; and its fma is a*b + c rounded twice, where the GPU (and the kernels' exact division)
+# round once: emulate a binary32 FMA exactly (binary64 product, sum rounded to odd, then to fp32).
 _INTERP_SHIM = """
 import numpy as np
 import triton.runtime.interpreter as _interp
@@ -438,6 +463,19 @@ def _patched(tensor, scope):
     _orig(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 _interp._patch_lang_tensor = _patched
+
+def _fma32(x, y, z):
+    p = x.astype(np.float64) * y.astype(np.float64)
+    c = np.broadcast_to(z.astype(np.float64), p.shape)
+    with np.errstate(all="ignore"):
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        odd = (err != 0) & ((s.view(np.int64) & 1) == 0) & np.isfinite(s)
+        s = np.where(odd, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return s.astype(np.float32)
+_interp.InterpreterBuilder.create_fma = lambda self, x, y, z: _interp.TensorHandle(
+    _fma32(x.data, y.data, z.data), z.dtype.scalar)
 """
 
 
@@ -466,7 +504,9 @@ def run_interpreter_suite() -> int:
             check_record(fq, fmt, torch.bfloat16, record, fmt == "nvfp4", shape, "cpu")
             n += 1
     check_quantize(fq, "nvfp4", torch.bfloat16, "normal", "row", (2, 8192 + 64), "cpu")  # chunked rows
-    return n + 1
+    for dtype in DTYPES:  # ties: tiles on both the FMA-division and the div.rn path
+        check_quantize(fq, "nvfp4", dtype, "ties" if dtype != torch.float32 else "near_ties", "given", (40, 96), "cpu")
+    return n + 4
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

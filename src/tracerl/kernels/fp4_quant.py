@@ -6,8 +6,13 @@ K = last dim); a program owns BM rows x BK columns seen as x_BM_NB_B (NB FP4 blo
 
 How bit-exactness is kept (everything below is checked by tests/test_kernels.py on the GPU and, in
 the Triton interpreter, on CPU):
-- Divisions use `tl.math.div_rn` (IEEE round-to-nearest). Plain `/` on fp32 compiles to the
-  approximate `div.full.f32` in Triton and would move exact ties.
+- Divisions are IEEE round-to-nearest. Plain `/` on fp32 compiles to the approximate
+  `div.full.f32` in Triton and would move exact ties, so they use either `tl.math.div_rn` or,
+  on the hot path, Markstein's FMA division with a per-block reciprocal (`_div_fast`: q0 =
+  a*(y_hi + y_lo) is faithful, r = a - b*q0 is exact, RN(q0 + r*y_hi) = RN(a/b); exact barring
+  underflow/overflow, also checked on ~2e9 cases incl. every float / 6). A tile whose scales or
+  values leave the range where that holds (tiny/huge scales, an element 2**60 below its block
+  max, saturation, or an exact zero beside nonzeros) redoes the division with div_rn.
 - Casts that round are done with integer ops: fp32 -> bf16 (add 0x7FFF + lsb, truncate),
   fp32 -> e4m3 (round the mantissa to 3 bits; subnormals as an integer multiple of 2**-9),
   e4m3 / e8m0 -> fp32 by assembling the bits. fp32 -> fp16 uses `.to(tl.float16)` (RNE).
@@ -41,6 +46,13 @@ MASK_NONE, MASK_BYTES, MASK_BITS = 0, 1, 2
 # NVFP4 global-scale source (GS): load from a pointer (per tensor: row stride 0; per row: 1),
 # compute from a whole-tensor amax cell (two-pass), or compute per row in the kernel (fused)
 GS_LOAD, GS_FROM_AMAX, GS_ROW = 0, 1, 2
+# the same values as constexpr globals, the only kind a @triton.jit function may read
+C_TARGET, C_TARGET_NIBBLES, C_BIT = tl.constexpr(TARGET), tl.constexpr(TARGET_NIBBLES), tl.constexpr(BIT)
+C_RTN, C_MASK_BYTES, C_MASK_BITS = tl.constexpr(RTN), tl.constexpr(MASK_BYTES), tl.constexpr(MASK_BITS)
+C_GS_FROM_AMAX, C_GS_ROW = tl.constexpr(GS_FROM_AMAX), tl.constexpr(GS_ROW)
+# RN(1/6) and the fp32 value of (1 - 6 * RN(1/6)) * RN(1/6), for dividing block amaxes by 6
+C_Y6_HI, C_Y6_LO = tl.constexpr(0.1666666716337204), tl.constexpr(-4.967053879312289e-09)
+FAST_DIV = True  # NVFP4 divisions by FMA (exact, see above); False: div.rn everywhere (for A/B)
 
 
 # ----------------------------------------------------------------------------- numeric helpers
@@ -72,6 +84,21 @@ def _round_to_dtype(f, IN_DTYPE: tl.constexpr):
     elif IN_DTYPE == 2:
         f = f.to(tl.float16).to(tl.float32)
     return f
+
+
+@triton.jit
+def _recip_parts(b):
+    """y_hi = RN(1/b) and y_lo ~ 1/b - y_hi (1 - b*y_hi is exact in an FMA)."""
+    y_hi = tl.math.div_rn(1.0, b)
+    return y_hi, tl.fma(-b, y_hi, 1.0) * y_hi
+
+
+@triton.jit
+def _div_fast(a, b, y_hi, y_lo):
+    """RN(a / b) from b's reciprocal parts by FMAs (Markstein); exact barring under/overflow."""
+    q = tl.fma(a, y_hi, a * y_lo)
+    r = tl.fma(-b, q, a)
+    return tl.fma(r, y_hi, q)
 
 
 @triton.jit
@@ -119,6 +146,39 @@ def _nv_scale_byte(amax_b, gs, IN_DTYPE: tl.constexpr):
     s = tl.minimum(gs * s, 448.0)
     byte = _e4m3_byte(s)
     return tl.where(byte == 0, 0x20, byte)
+
+
+@triton.jit
+def _nv_fast_scales(amax_b, min_b, gs, sbyte, GUIDE_SCALES: tl.constexpr, IN_DTYPE: tl.constexpr):
+    """Block scale bytes and multipliers s8 / gs by FMA division (tile (BM, NB), gs (BM,)).
+
+    Also returns whether the tile must redo them with div_rn (any block outside the exact range).
+    """
+    g = gs[:, None]
+    yg_hi, yg_lo = _recip_parts(gs)
+    if not GUIDE_SCALES:
+        s = _round_to_dtype(_div_fast(amax_b, 6.0, C_Y6_HI, C_Y6_LO), IN_DTYPE)
+        byte = _e4m3_byte(tl.minimum(g * s, 448.0))
+        sbyte = tl.where(byte == 0, 0x20, byte)
+    mult = _div_fast(_e4m3_value(sbyte), g, yg_hi[:, None], yg_lo[:, None])
+    slow = (g < 8.673617379884035e-19) | (g > 1.152921504606847e18)  # 2**-60, 2**60
+    slow = slow | (mult < 9.313225746154785e-10) | (mult > 1.152921504606847e18)  # 2**-30, 2**60
+    slow = slow | (amax_b > mult * 8.0)  # saturating elements
+    # an element more than 2**60 below the multiplier (its quotient may be subnormal), or an exact
+    # zero beside nonzero values (min |x| is taken over zeros too: cheaper than excluding them)
+    slow = slow | ((amax_b > 0.0) & (min_b < mult * 8.673617379884035e-19))
+    if not GUIDE_SCALES:
+        slow = slow | ((amax_b > 0.0) & (amax_b < 8.077935669463161e-28))  # 2**-90: amax / 6
+    return sbyte, mult, tl.max(tl.max(slow.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES: tl.constexpr, IN_DTYPE: tl.constexpr):
+    """Block scale bytes and the scaled values x / (s8 / gs) with div.rn throughout."""
+    if not GUIDE_SCALES:
+        sbyte = _nv_scale_byte(amax_b, gs[:, None], IN_DTYPE)
+    mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
+    return sbyte, tl.math.div_rn(x, mult[:, :, None])
 
 
 @triton.jit
@@ -207,43 +267,51 @@ def _quant_tile(
     codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
     sc, ss, st, sm, sr,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GUIDE_SCALES: tl.constexpr,
-    ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr,
+    ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     """Quantize one x tile (BM, NB, B) with per-row global scales gs (BM,) and store its outputs."""
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_offs = rows.to(tl.int64)[:, None] * ss + s_cols
     s_mask = (rows[:, None] < M) & (s_cols < K // B)
+    ax = tl.abs(x)
+    amax_b = tl.max(ax, axis=2)  # (BM, NB)
     if GUIDE_SCALES:
         sbyte = tl.load(scales_ptr + s_offs, mask=s_mask, other=0x20).to(tl.int32)
     else:
-        amax_b = tl.max(tl.abs(x), axis=2)  # (BM, NB)
-        if NV:
-            sbyte = _nv_scale_byte(amax_b, gs[:, None], IN_DTYPE)
-        else:
-            sbyte = _mx_scale_byte(amax_b)
-        tl.store(scales_ptr + s_offs, sbyte.to(tl.uint8), mask=s_mask)
+        sbyte = amax_b.to(tl.int32)  # placeholder, computed below
     if NV:
-        mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
-        v = tl.math.div_rn(x, mult[:, :, None])
+        if FAST:
+            sbyte, mult, slow = _nv_fast_scales(amax_b, tl.min(ax, axis=2), gs, sbyte, GUIDE_SCALES, IN_DTYPE)
+            if slow != 0:  # a rare tile outside the FMA division's exact range
+                sbyte, v = _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES, IN_DTYPE)
+            else:
+                y_hi, y_lo = _recip_parts(mult)
+                v = _div_fast(x, mult[:, :, None], y_hi[:, :, None], y_lo[:, :, None])
+        else:
+            sbyte, v = _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES, IN_DTYPE)
     else:
+        if not GUIDE_SCALES:
+            sbyte = _mx_scale_byte(amax_b)
         v = x * _mx_inv_mult(sbyte)[:, :, None]  # exact: a power of two
+    if not GUIDE_SCALES:
+        tl.store(scales_ptr + s_offs, sbyte.to(tl.uint8), mask=s_mask)
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     a = tl.abs(v)
 
-    if ROUND == RTN:
+    if ROUND == C_RTN:
         idx = _rtn_index(a)
     else:
         lo, hi = _neighbours(a)
-        if ROUND == TARGET:
+        if ROUND == C_TARGET:
             t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 1)
             t = tl.load(tgt_ptr + t_offs, mask=t_mask, other=0).to(tl.int32)
             idx = tl.where(t >= hi, hi, lo)
-        elif ROUND == TARGET_NIBBLES:
+        elif ROUND == C_TARGET_NIBBLES:
             t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 2)
             t = _unpack_nibbles(tl.load(tgt_ptr + t_offs, mask=t_mask, other=0), BM, NB, B) & 7
             idx = tl.where(t >= hi, hi, lo)
-        elif ROUND == BIT:
+        elif ROUND == C_BIT:
             t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 1)
             t = tl.load(tgt_ptr + t_offs, mask=t_mask, other=0).to(tl.int32) & 1
             idx = tl.where((hi & 1) == t, hi, lo)
@@ -251,11 +319,11 @@ def _quant_tile(
             t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 8)
             t = _unpack_bits(tl.load(tgt_ptr + t_offs, mask=t_mask, other=0), BM, NB, B)
             idx = tl.where((hi & 1) == t, hi, lo)
-        if MASK == MASK_BYTES:
+        if MASK == C_MASK_BYTES:
             m_offs, m_mask = _offsets(rows, c0, sm, M, K, NB, B, 1)
             keep = tl.load(mask_ptr + m_offs, mask=m_mask, other=0) != 0
             idx = tl.where(keep, idx, _rtn_index(a))
-        elif MASK == MASK_BITS:
+        elif MASK == C_MASK_BITS:
             m_offs, m_mask = _offsets(rows, c0, sm, M, K, NB, B, 8)
             keep = _unpack_bits(tl.load(mask_ptr + m_offs, mask=m_mask, other=0), BM, NB, B) != 0
             idx = tl.where(keep, idx, _rtn_index(a))
@@ -297,14 +365,14 @@ def _quant_kernel(
     x_ptr, codes_ptr, scales_ptr, gs_ptr, gs_out_ptr, tgt_ptr, mask_ptr, rec_ptr,
     M, K, sx, sc, ss, sg, st, sm, sr,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GS: tl.constexpr, GUIDE_SCALES: tl.constexpr,
-    ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr,
+    ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
-    """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == GS_ROW (M/BM,) and a loop over K."""
+    """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == C_GS_ROW (M/BM,) and a loop over K."""
     BK: tl.constexpr = NB * B
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
-    if GS == GS_ROW:  # per-row global scale, fused: pass 1 row amax, pass 2 quantize
+    if GS == C_GS_ROW:  # per-row global scale, fused: pass 1 row amax, pass 2 quantize
         amax = tl.zeros((BM,), tl.float32)
         for c0 in range(0, K, BK):
             x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
@@ -314,13 +382,13 @@ def _quant_kernel(
         for c0 in range(0, K, BK):
             x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
             _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
-                        sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, BM, NB, B)
+                        sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
     else:
         pid_k = tl.program_id(1)
         c0 = pid_k * BK
         x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
         if NV:
-            if GS == GS_FROM_AMAX:
+            if GS == C_GS_FROM_AMAX:
                 g = _global_scale(_f32(tl.load(gs_ptr)), IN_DTYPE)
                 if (pid_m == 0) & (pid_k == 0):
                     tl.store(gs_out_ptr, g)
@@ -330,14 +398,14 @@ def _quant_kernel(
         else:
             gs = tl.full((BM,), 1.0, tl.float32)
         _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
-                    sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, BM, NB, B)
+                    sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
 
 
 @triton.jit(do_not_specialize=["M", "ss", "sg"])
 def _dequant_kernel(
     codes_ptr, scales_ptr, gs_ptr, out_ptr,
     M, K, sc, ss, sg, so,
-    NV: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    NV: tl.constexpr, OUT_DTYPE: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     """out_MK = e2m1(code) * block multiplier, in fp32, rounded to the output dtype."""
@@ -352,7 +420,17 @@ def _dequant_kernel(
     sbyte = sbyte.to(tl.int32)
     if NV:
         gs = tl.load(gs_ptr + rows.to(tl.int64) * sg, mask=rows < M, other=1.0)
-        mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
+        s8 = _e4m3_value(sbyte)
+        # 2**-60 <= gs <= 2**60: FMA division by gs is exact (s8 is at least 2**-9)
+        bad = (gs < 8.673617379884035e-19) | (gs > 1.152921504606847e18)
+        if FAST:
+            if tl.max(bad.to(tl.int32), axis=0) == 0:
+                yg_hi, yg_lo = _recip_parts(gs)
+                mult = _div_fast(s8, gs[:, None], yg_hi[:, None], yg_lo[:, None])
+            else:
+                mult = tl.math.div_rn(s8, gs[:, None])
+        else:
+            mult = tl.math.div_rn(s8, gs[:, None])
     else:
         mult = _mx_mult(sbyte)
     idx = code & 7
@@ -373,11 +451,12 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _probe_kernel(in_ptr, out_ptr, N, WHAT: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _probe_kernel(in_ptr, in2_ptr, out_ptr, N, WHAT: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     """Apply one numeric helper elementwise (tests check each against torch exhaustively)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     v = tl.load(in_ptr + offs, mask=m, other=0)
+    w = tl.load(in2_ptr + offs, mask=m, other=1)
     if WHAT == 0:
         r = _rtn_index(v)
     elif WHAT == 1:
@@ -395,21 +474,28 @@ def _probe_kernel(in_ptr, out_ptr, N, WHAT: tl.constexpr, IN_DTYPE: tl.constexpr
         r = _mx_scale_byte(v)
     elif WHAT == 7:
         r = _bits(_mx_mult(v))
-    else:
+    elif WHAT == 8:
         r = _bits(_mx_inv_mult(v))
+    elif WHAT == 9:
+        y_hi, y_lo = _recip_parts(w)
+        r = _bits(_div_fast(v, w, y_hi, y_lo))
+    else:
+        r = _bits(tl.math.div_rn(v, w))
     tl.store(out_ptr + offs, r, mask=m)
 
 
 PROBES = {"rtn": 0, "neighbours": 1, "e4m3": 2, "bf16": 3, "e4m3_value": 4, "global_scale": 5,
           "mx_scale": 6, "mx_mult": 7,
-          "mx_inv_mult": 8}
+          "mx_inv_mult": 8, "div_fast": 9, "div_rn": 10}
 
 
-def probe(what: str, values: torch.Tensor, in_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def probe(what: str, values: torch.Tensor, in_dtype: torch.dtype = torch.float32,
+          divisor: torch.Tensor | None = None) -> torch.Tensor:
     """int32 results of numeric helper `what` on float32 (or int32 byte) values; for tests."""
     out = torch.empty(values.shape, dtype=torch.int32, device=values.device)
     n = values.numel()
-    _probe_kernel[(triton.cdiv(n, 1024),)](values, out, n, WHAT=PROBES[what], IN_DTYPE=_DTYPE_CODE[in_dtype],
+    w = divisor if divisor is not None else torch.ones_like(values)
+    _probe_kernel[(triton.cdiv(n, 1024),)](values, w, out, n, WHAT=PROBES[what], IN_DTYPE=_DTYPE_CODE[in_dtype],
                                           BLOCK=1024)
     return out
 
@@ -578,7 +664,7 @@ def quantize(
             xk, codes, scales, gs_in, gs_out, tgt, msk, rec,
             M, K, x2.stride(0), codes.stride(0), scales.stride(0), sg, st, sm, sr,
             IN_DTYPE=in_code, NV=spec.has_global_scale, GS=gs_mode, GUIDE_SCALES=guide_scales,
-            ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb",
+            ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
             BM=bm, NB=bk // B, B=B, num_warps=nw,
         )
     q = fp4.FP4Tensor(codes=codes.reshape(*lead, K // 2), scales=scales_ret, global_scale=gs_ret,
@@ -628,6 +714,6 @@ def dequantize(q: fp4.FP4Tensor, dtype: torch.dtype = torch.bfloat16,
     if M > 0:
         _dequant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
             codes, scales, gs, outk, M, K, codes.stride(0), scales.stride(0), sg, out.stride(0),
-            NV=spec.has_global_scale, OUT_DTYPE=_DTYPE_CODE[dtype], BM=bm, NB=bk // B, B=B, num_warps=nw,
+            NV=spec.has_global_scale, OUT_DTYPE=_DTYPE_CODE[dtype], FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw,
         )
     return out.reshape(shape)
