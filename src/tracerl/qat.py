@@ -208,7 +208,7 @@ class FakeQuant:
     With `guidance` (site -> GuidanceRecord aligned to this forward's tokens) the rounding at that
     site follows the rollout's record (TRACE); other sites round to nearest (plain QAT).
     With `reference` (site -> FP4Tensor of the rollout's codes at that site, diagnostics only)
-    the handler counts code flips per site into `flips`, over rows where `valid_rows[site]`.
+    the handler counts code flips per site into `flips`, over the (B, S) `valid_tokens`.
     `row_mask[site]` (bool over rows) limits guidance to rows whose record matches this forward.
     """
 
@@ -217,15 +217,18 @@ class FakeQuant:
     reference: Mapping[str, fp4.FP4Tensor] = field(default_factory=dict)
     flips: dict[str, SiteFlips] = field(default_factory=dict)
     row_mask: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    valid_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    valid_tokens: torch.Tensor | None = None
+    measure_only: bool = False  # a BF16 trainer: count what its RTN codes would be, compute unquantized
 
     def weight(self, site: str, w: torch.Tensor) -> torch.Tensor:
-        if not self.recipe.quantizes(site):
+        if self.measure_only or not self.recipe.quantizes(site):
             return w
         return fake_quantize_weight(w, self.recipe.fmt, name=site)
 
     def weight_group(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """A fused group (q/k/v): the quantized members share one global scale (see `weight_group`)."""
+        if self.measure_only:
+            return [w for _, w in items]
         members = [w for site, w in items if self.recipe.quantizes(site)]
         gs = shared_weight_global_scale(members, self.recipe.fmt)
         return [fake_quantize_weight(w, self.recipe.fmt, name=site, global_scale=gs)
@@ -233,6 +236,11 @@ class FakeQuant:
 
     def act(self, site: str, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.quantizes(site):
+            return x
+        if self.measure_only:
+            ref = self.reference.get(site)
+            if ref is not None:
+                self._count_flips(site, x.detach(), None, None, ref)
             return x
         record = self.guidance.get(site)
         guide = record.rounding_guide() if record is not None else None
@@ -263,10 +271,11 @@ class FakeQuant:
         # "-0" vs "+0" is the same value: compare values, not sign bits of zeros
         diff = (mine & 7) != (theirs & 7)
         diff |= ((mine & 7) > 0) & ((mine >> 3) != (theirs >> 3))
-        valid = self.valid_rows.get(site)
-        if valid is not None:  # only real tokens count (not padding)
-            diff = diff & valid.unsqueeze(-1)
-            total = int(valid.sum()) * diff.shape[-1]
+        if self.valid_tokens is not None:  # only real tokens count (not padding)
+            v = self.valid_tokens.reshape(*self.valid_tokens.shape, *([1] * (diff.dim() - 3)))
+            v = v.expand(diff.shape[:-1])
+            diff = diff & v.unsqueeze(-1)
+            total = int(v.sum()) * diff.shape[-1]
         else:
             total = diff.numel()
         f = self.flips.setdefault(site, SiteFlips())

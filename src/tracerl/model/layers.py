@@ -151,11 +151,15 @@ class Attention(nn.Module):
             k_BTHD = quant.act(f"{p}.k_cache", k_BSHD)
             v_BTHD = quant.act(f"{p}.v_cache", v_BSHD)
 
-        o_BHSD = F.scaled_dot_product_attention(
-            q_BSHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2),
-            attn_mask=mask_B1ST, is_causal=mask_B1ST is None and kv_cache is None,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        attend = getattr(kv_cache, "attention", None)
+        if attend is not None:  # the engine's own attention kernel over its cache (e.g. split-KV decode)
+            o_BHSD = attend(q_BSHD, k_BTHD, v_BTHD, mask_B1ST)
+        else:
+            o_BHSD = F.scaled_dot_product_attention(
+                q_BSHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2),
+                attn_mask=mask_B1ST, is_causal=mask_B1ST is None and kv_cache is None,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         o_BSD = o_BHSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)
         return linear(o_BSD, self.o_proj.weight, f"{p}.o_proj", quant, dtype)
 

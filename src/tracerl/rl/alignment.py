@@ -37,6 +37,8 @@ def trainer_handler(batch: RolloutBatch, alignment: str, recipe: qat.Recipe, rou
     if alignment not in ALIGNMENTS:
         raise ValueError(f"unknown alignment {alignment!r}; choose one of {ALIGNMENTS}")
     if alignment == "none":
+        if batch.reference:  # diagnostics: measure the flips a BF16 trainer's activations would have
+            return qat.FakeQuant(recipe, reference=batch.reference, valid_tokens=batch.attention_mask, measure_only=True)
         return qat.NoQuant()
     guidance = {}
     if alignment == "trace":

@@ -8,7 +8,8 @@ import torch
 def mismatch_metrics(train_logp_NT: torch.Tensor, rollout_logp_NT: torch.Tensor, mask_NT: torch.Tensor) -> dict[str, float]:
     """Compare the trainer's and the rollout's logprobs of the sampled tokens over `mask_NT`."""
     m = mask_NT.bool()
-    lt, lr = train_logp_NT.detach().float()[m], rollout_logp_NT.detach().float()[m]
+    # float64: k3 = r - 1 - log r cancels catastrophically when r is within 1e-7 of 1
+    lt, lr = train_logp_NT.detach().double()[m], rollout_logp_NT.detach().double()[m]
     if lt.numel() == 0:
         raise ValueError("no response tokens to compare (empty mask)")
     log_r = lt - lr  # r = pi_train / pi_rollout

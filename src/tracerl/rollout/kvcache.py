@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from tracerl import fp4
+from tracerl.rollout.attention import split_kv_attention
 
 
 class KVObserver(Protocol):
@@ -26,13 +27,19 @@ class KVObserver(Protocol):
 
 
 class _SlotCache:
-    """Shared slot/step bookkeeping."""
+    """Shared slot/step bookkeeping, and the engine's attention kernel over the cache."""
 
-    def __init__(self, n_slots: int, max_len: int) -> None:
+    def __init__(self, n_slots: int, max_len: int, attention_split: int = 16) -> None:
         self.n_slots = n_slots
         self.max_len = max_len
         self.rows = torch.arange(n_slots)
         self.start = 0
+        self.attention_split = attention_split
+
+    def attention(self, q_BSHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor,
+                  mask_B1ST: torch.Tensor | None) -> torch.Tensor:
+        """Split-KV attention of the new queries over the cached keys/values (see rollout/attention.py)."""
+        return split_kv_attention(q_BSHD, k_BTHD, v_BTHD, mask_B1ST, self.attention_split)
 
     def set_step(self, rows: torch.Tensor, start: int) -> None:
         """The next forward runs slots `rows` and writes its new tokens from column `start`."""
