@@ -1,7 +1,8 @@
-"""Command line: `tracerl train | eval | export | bench`.
+"""Command line: `tracerl train | compare | eval | export`.
 
     tracerl train --config configs/tiny-arith.yaml [section.key=value ...]
     tracerl train --resume runs/tiny-arith
+    tracerl compare --suite tiny
     tracerl eval --run runs/tiny-arith [--recipe w4a4kv4]
     tracerl export --format nvfp4 CHECKPOINT_DIR OUT_DIR [--recipe w4a4]
 """
@@ -113,6 +114,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Run (or resume) the comparison matrix and write reports/<suite>/report.md."""
+    from tracerl.compare_report import write_report
+    from tracerl.experiments import run_suite
+
+    results = run_suite(args.suite, out_root=args.out, configs_dir=args.configs,
+                        log=lambda s: console.log(s), only_study=args.study_only)
+    path = write_report(Path(args.out) / args.suite / "results.json")
+    console.print(f"wrote {path} ({len(results['runs'])} runs)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
     p = argparse.ArgumentParser(prog="tracerl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--recipe", default=None, help="deploy precision (default: the run's rollout recipe)")
     e.add_argument("--n", type=int, default=128)
     e.set_defaults(fn=cmd_eval)
+    c = sub.add_parser("compare", help="the TRACE comparison matrix (configs/compare/)")
+    c.add_argument("--suite", default="tiny", help="configs/compare/suite-<name>.yaml")
+    c.add_argument("--out", default="reports")
+    c.add_argument("--configs", default="configs/compare")
+    c.add_argument("--study-only", action="store_true", help="only the matched-checkpoint mismatch study")
+    c.set_defaults(fn=cmd_compare)
     x = sub.add_parser("export", help="export an HF checkpoint folder as compressed-tensors NVFP4")
     x.add_argument("--format", default="nvfp4")
     x.add_argument("--recipe", default="w4a16", help="w4a16 (weights only) or w4a4 (with input_global_scale)")

@@ -119,6 +119,7 @@ class RunSection:
     eval_every: int = 10
     tensorboard: bool = True
     device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int = 1  # torch intra-op threads on CPU; 0 = torch's default (see docs/decisions.md)
 
 
 @dataclass

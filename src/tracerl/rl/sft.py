@@ -66,7 +66,8 @@ def warm_start(model: torch.nn.Module, task, *, steps: int, batch_size: int, lr:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss.detach()))
+        value = float(loss.detach())
+        losses.append(value)
         if on_step is not None:
-            on_step(step, float(loss))
+            on_step(step, value)
     return losses

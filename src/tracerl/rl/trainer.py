@@ -65,6 +65,8 @@ class Trainer:
         self.cfg = cfg
         self.log = log or (lambda s: None)
         self.device = _device(cfg)
+        if self.device.type == "cpu" and cfg.run.cpu_threads > 0:
+            torch.set_num_threads(cfg.run.cpu_threads)
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
         self.task = T.get(cfg.task.name, **cfg.task.options)
         self.recipe = qat.Recipe(cfg.rollout.recipe, fmt=cfg.rollout.format, sites=cfg.rollout.sites)
@@ -113,6 +115,13 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.save()
         return self.warm_losses
+
+    def start_from(self, model_state: dict) -> None:
+        """Skip the warm start: begin RL from given weights (e.g. a warm start shared by many runs)."""
+        self.model.load_state_dict(model_state)
+        if self.cfg.loss.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.save()
 
     def save(self) -> None:
         """Atomic checkpoint of everything a resume needs."""

@@ -1,0 +1,252 @@
+"""reports/<suite>/report.md and plots, written only from results.json (no figure is typed by hand)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+MISMATCH_KEYS = ("mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/frac_ratio_outside_0.5_2", "flips/act_frac")
+ALIGN_ROWS = ("none", "qat", "qat-r3", "trace", "trace-full")
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _f(x: float, sci: bool = False) -> str:
+    if x != x:  # nan
+        return "-"
+    return f"{x:.2e}" if sci else f"{x:.3f}"
+
+
+def _row_values(results: dict, row: str, task: str, fn) -> list[float]:
+    return [fn(r) for k, r in results["runs"].items() if k.split("/")[0] == row and k.split("/")[1] == task]
+
+
+def _final_train_reward(rec: dict, last: int = 5) -> float:
+    h = rec["history"][-last:]
+    return statistics.fmean(x["reward/mean"] for x in h)
+
+
+def _run_mean(rec: dict, key: str) -> float:
+    vals = [x[key] for x in rec["history"] if key in x]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+def claims(results: dict) -> dict[str, dict]:
+    """Evaluate the method's four claims on these results (each: held, and the numbers behind it)."""
+    out = {}
+    studies = {k: v for k, v in results["study"].items()}
+    # (a) trace mismatch well below fp4-qat and fp4-naive, on the same rollouts
+    rows = []
+    for key, st in studies.items():
+        a = st["alignments"]
+        rows.append((key, a["trace"]["mismatch/kl_k3"], a["qat-r3"]["mismatch/kl_k3"], a["qat"]["mismatch/kl_k3"],
+                     a["none"]["mismatch/kl_k3"]))
+    held_a = all(t < q / 3 and t < n / 3 for _, t, q, _, n in rows) if rows else False
+    out["a"] = {"held": held_a, "rows": rows,
+                "text": "trace's kl_k3 is below a third of fp4-qat-r3's and fp4-naive's on every task's fixed rollout batch"}
+    # (b) trace reward comparable to bf16: final train reward within the seed spread (or 0.05)
+    rb = []
+    for task in results["tasks"]:
+        tr_m, tr_s = _mean_sd(_row_values(results, "trace", task, _final_train_reward))
+        bf_m, bf_s = _mean_sd(_row_values(results, "bf16", task, _final_train_reward))
+        tol = max(0.05, 2 * max(tr_s, bf_s)) if tr_m == tr_m else 0
+        rb.append((task, tr_m, bf_m, tol, tr_m >= bf_m - tol))
+    out["b"] = {"held": bool(rb) and all(r[-1] for r in rb), "rows": rb,
+                "text": "trace's final training reward (mean of the last 5 steps, over seeds) is within max(0.05, 2 sd) of bf16's"}
+    # (c) trace's FP4 policy better than ptq (held-out accuracy as deployed in FP4)
+    rc = []
+    for task in results["tasks"]:
+        t_m, _ = _mean_sd(_row_values(results, "trace", task, lambda r: r["final_eval"]["eval/reward"]))
+        p_m, _ = _mean_sd([v["eval/reward"] for k, v in results["ptq"].items() if k.split("/")[0] == task])
+        rc.append((task, t_m, p_m, t_m > p_m))
+    out["c"] = {"held": bool(rc) and all(r[-1] for r in rc), "rows": rc,
+                "text": "trace's held-out reward deployed in w4a4kv4 exceeds ptq's (bf16-trained policy quantized post hoc)"}
+    # (d) compact policy keeps most of trace-full's alignment at a small fraction of its bytes
+    rd = []
+    for key, st in studies.items():
+        a = st["alignments"]
+        base, full, comp = a["qat-r3"]["mismatch/kl_k3"], a["trace-full"]["mismatch/kl_k3"], a["trace"]["mismatch/kl_k3"]
+        kept = (base - comp) / (base - full) if base > full else float("nan")
+        frac_bytes = a["trace"]["bytes_per_token"] / max(a["trace-full"]["bytes_per_token"], 1e-9)
+        rd.append((key, kept, frac_bytes, kept >= 0.5 and frac_bytes <= 0.3))
+    out["d"] = {"held": bool(rd) and all(r[-1] for r in rd), "rows": rd,
+                "text": "the default compact policy removes >= 50% of the kl_k3 that trace-full removes (vs fp4-qat-r3) with <= 30% of its bytes"}
+    return out
+
+
+def pareto(sweep: list[dict]) -> list[dict]:
+    """The sweep points not dominated in (bytes per token, kl_k3)."""
+    pts = sorted(sweep, key=lambda m: (m["bytes_per_token"], m["mismatch/kl_k3"]))
+    front, best = [], float("inf")
+    for p in pts:
+        if p["mismatch/kl_k3"] < best:
+            front.append(p)
+            best = p["mismatch/kl_k3"]
+    return front
+
+
+def write_plots(results: dict, out: Path) -> list[str]:
+    """reward_<task>.png (per step, mean +- sd over seeds), pareto_<task>.png; returns file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for task in results["tasks"]:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for row in results["rows"]:
+            runs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
+            if not runs:
+                continue
+            n = min(len(r["history"]) for r in runs)
+            steps = list(range(1, n + 1))
+            per = [[r["history"][i]["reward/mean"] for r in runs] for i in range(n)]
+            m = [statistics.fmean(p) for p in per]
+            s = [statistics.stdev(p) if len(p) > 1 else 0 for p in per]
+            ax.plot(steps, m, label=row)
+            ax.fill_between(steps, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], alpha=0.12)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("train reward")
+        ax.set_title(f"{task}: training reward (mean +- sd over seeds)")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / f"reward_{task}.png", dpi=110)
+        plt.close(fig)
+        names.append(f"reward_{task}.png")
+    for key, st in results["study"].items():
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for enc, mk in zip(("codes", "lsb", "ties"), "os^"):
+            pts = [m for m in st["sweep"] if m["encoding"] == enc]
+            ax.scatter([m["bytes_per_token"] for m in pts], [max(m["mismatch/kl_k3"], 1e-12) for m in pts], marker=mk, label=enc)
+            for m in pts:
+                ax.annotate(m["layers"].replace("deepest ", ""), (m["bytes_per_token"], max(m["mismatch/kl_k3"], 1e-12)), fontsize=6)
+        front = pareto(st["sweep"])
+        ax.plot([m["bytes_per_token"] for m in front], [max(m["mismatch/kl_k3"], 1e-12) for m in front], "k--", lw=0.8, label="Pareto front")
+        for name, ls in (("qat-r3", ":"), ("none", "-.")):
+            ax.axhline(st["alignments"][name]["mismatch/kl_k3"], ls=ls, color="gray", lw=0.8, label=f"{name} (no guidance)")
+        ax.set_yscale("log")
+        ax.set_xlabel("guidance bytes per token")
+        ax.set_ylabel("kl_k3 (trainer vs rollout)")
+        ax.set_title(f"cost vs alignment: {key}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fname = f"pareto_{key.replace('/', '_')}.png"
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        names.append(fname)
+    return names
+
+
+def write_report(results_path: str | Path) -> Path:
+    """Render report.md (and plots) next to results.json."""
+    results_path = Path(results_path)
+    results = json.loads(results_path.read_text())
+    out = results_path.parent
+    plots = write_plots(results, out)
+    L: list[str] = [f"# TRACE comparison: suite `{results['suite']}`", ""]
+    L.append(f"Tasks {', '.join(results['tasks'])}; seeds {results['seeds']}; rows {', '.join(results['rows'])} + ptq. "
+             f"FP4 rows and ptq are deployed as `{results['deploy_recipe']}`. Every figure below is read from "
+             f"`results.json` by `tracerl.compare_report`.")
+    L += ["", "## Claims", ""]
+    cl = claims(results)
+    names = {"a": "(a) trace mismatch well below fp4-qat and fp4-naive", "b": "(b) trace reward comparable to bf16",
+             "c": "(c) trace's FP4 policy better than ptq", "d": "(d) compact guidance keeps most of trace-full's alignment"}
+    for k in "abcd":
+        L.append(f"- **{names[k]}: {'held' if cl[k]['held'] else 'did not hold'}.** Test: {cl[k]['text']}.")
+    L += ["", "## Mismatch at a matched checkpoint (same FP4 rollout batch for every alignment)", ""]
+    for key, st in results["study"].items():
+        L.append(f"### {key} (trainer compute {st['dtype']}; {st['tokens_per_batch']} tokens)")
+        L.append("| alignment | kl_k3 | mean abs dlogp | frac ratio outside [0.5, 2] | flips/act_frac | bytes/token |")
+        L.append("| --- | --- | --- | --- | --- | --- |")
+        for name in ALIGN_ROWS:
+            a = st["alignments"][name]
+            L.append(f"| {name} | {_f(a['mismatch/kl_k3'], True)} | {_f(a['mismatch/logp_abs_diff_mean'], True)} | "
+                     f"{_f(a['mismatch/frac_ratio_outside_0.5_2'], True)} | {_f(a.get('flips/act_frac', float('nan')), True)} | "
+                     f"{a.get('bytes_per_token', 0):.0f} |")
+        layers = sorted({k.split("_")[-1] for a in st["alignments"].values() for k in a if k.startswith("flips/layer_")}, key=int)
+        if layers:
+            L.append("")
+            L.append("Flip rate per layer: | alignment | " + " | ".join(f"L{i}" for i in layers) + " |")
+            L.append("| --- |" + " --- |" * (len(layers) + 0) + " --- |")
+            for name in ALIGN_ROWS:
+                a = st["alignments"][name]
+                L.append(f"| {name} | " + " | ".join(_f(a.get(f'flips/layer_{i}', float('nan')), True) for i in layers) + " |")
+        L.append("")
+        L.append("CachePolicy sweep (trace + R3 on the same prompts):")
+        L.append("| layers | encoding | bytes/token | kl_k3 | flips/act_frac | recording overhead |")
+        L.append("| --- | --- | --- | --- | --- | --- |")
+        for m in st["sweep"]:
+            L.append(f"| {m['layers']} | {m['encoding']} | {m['bytes_per_token']:.0f} | {_f(m['mismatch/kl_k3'], True)} | "
+                     f"{_f(m.get('flips/act_frac', float('nan')), True)} | {m['recording_overhead'] * 100:+.0f}% |")
+        front = pareto(st["sweep"])
+        L.append("")
+        L.append("Pareto front (bytes/token -> kl_k3): " + ", ".join(
+            f"{m['layers']}/{m['encoding']} ({m['bytes_per_token']:.0f} B, {m['mismatch/kl_k3']:.2e})" for m in front))
+        L.append("")
+    if results["study"]:
+        L += _default_choice(results)
+    if results["runs"]:
+        L += ["## Reward", ""]
+        L.append("Final training reward (mean of the last 5 steps) and held-out reward/accuracy as deployed, mean +- sd over seeds.")
+        L.append("")
+        L.append("| row | " + " | ".join(f"{t} train | {t} held-out reward | {t} held-out acc" for t in results["tasks"]) + " |")
+        L.append("| --- |" + " --- | --- | --- |" * len(results["tasks"]))
+        for row in results["rows"]:
+            cells = []
+            for t in results["tasks"]:
+                tr = _mean_sd(_row_values(results, row, t, _final_train_reward))
+                ev = _mean_sd(_row_values(results, row, t, lambda r: r["final_eval"]["eval/reward"]))
+                ac = _mean_sd(_row_values(results, row, t, lambda r: r["final_eval"]["eval/acc"]))
+                cells.append(f"{_f(tr[0])} +- {_f(tr[1])} | {_f(ev[0])} +- {_f(ev[1])} | {_f(ac[0])} +- {_f(ac[1])}")
+            L.append(f"| {row} | " + " | ".join(cells) + " |")
+        cells = []
+        for t in results["tasks"]:
+            ev = _mean_sd([v["eval/reward"] for k, v in results["ptq"].items() if k.split("/")[0] == t])
+            ac = _mean_sd([v["eval/acc"] for k, v in results["ptq"].items() if k.split("/")[0] == t])
+            cells.append(f"- | {_f(ev[0])} +- {_f(ev[1])} | {_f(ac[0])} +- {_f(ac[1])}")
+        L.append("| ptq | " + " | ".join(cells) + " |")
+        L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
+        L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
+        L.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for row in results["rows"]:
+            for t in results["tasks"]:
+                def mean(key, row=row, t=t):
+                    return _mean_sd(_row_values(results, row, t, lambda r: _run_mean(r, key)))[0]
+                L.append(f"| {row} | {t} | {_f(mean('mismatch/kl_k3'), True)} | {_f(mean('flips/act_frac'), True)} | "
+                         f"{mean('guidance/bytes_per_token'):.0f} | {_f(mean('timing/rollout_s'))} | {_f(mean('timing/train_s'))} |")
+        L.append("")
+    L += ["## Claim details", ""]
+    for k in "abcd":
+        L.append(f"- {names[k]}: " + "; ".join(", ".join(_f(v, True) if isinstance(v, float) else str(v) for v in r)
+                                              for r in cl[k]["rows"]))
+    if "gpu_bench" in results:
+        L += ["", "## Rollout speed (from bench/results/rollout_h200.json)", "", "See bench/RESULTS.md for the table."]
+    L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(L) + "\n")
+    return path
+
+
+def _default_choice(results: dict) -> list[str]:
+    """Pick the default CachePolicy: the cheapest sweep point within 2x of the best kl on every study."""
+    scores: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for st in results["study"].values():
+        best = min(m["mismatch/kl_k3"] for m in st["sweep"])
+        for m in st["sweep"]:
+            scores.setdefault((m["layers"], m["encoding"]), []).append((m["bytes_per_token"], m["mismatch/kl_k3"] / max(best, 1e-30)))
+    ok = {k: v for k, v in scores.items() if all(r <= 2.0 for _, r in v)}
+    pick = min(ok or scores, key=lambda k: statistics.fmean(b for b, _ in scores[k]))
+    b = statistics.fmean(x for x, _ in scores[pick])
+    r = statistics.fmean(x for _, x in scores[pick])
+    return ["## Default CachePolicy", "",
+            f"Rule: the cheapest sweep point whose kl_k3 is within 2x of the best point on every study. "
+            f"Here: **{pick[0]} / {pick[1]}** ({b:.0f} B/token on average, kl {r:.2f}x the best). "
+            f"The shipped default (`guidance.layers: fraction:0.5`, `encoding: lsb`) is the reference method's; "
+            f"compare it with this pick before changing configs.", ""]

@@ -1,0 +1,246 @@
+"""The TRACE comparison matrix (`tracerl compare --suite tiny|small`): runs, caching, results.json.
+
+Rows (configs/compare/<row>.yaml, each a set of overrides on the suite's base config):
+  bf16, fp4-naive, fp4-tis, fp4-qat, fp4-qat-r3, trace, trace-full, and `ptq` (row 1's final
+  policy quantized post hoc to w4a4kv4; evaluation only).
+For every task family and seed, one supervised warm start is shared by all rows (same weights,
+same seeds, so rows differ only in what they are about). Each (row, task, seed) run is cached
+under reports/<suite>/cache/<hash>.json by the hash of its full resolved config, so adding a row
+or a seed does not re-run the others, and an interrupted suite resumes where it stopped.
+
+Besides training, a controlled study at matched checkpoints: from each task's warm-start policy,
+one fixed FP4 rollout batch is scored by every alignment (none / qat / qat+R3 / trace / trace-full)
+and by a CachePolicy sweep (layers all / deepest half / deepest quarter x encodings codes / lsb /
+ties): the same work, so the mismatch differences are due to alignment alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from tracerl import qat
+from tracerl.config import Config, apply_overrides, load_config
+from tracerl.guidance import CachePolicy
+from tracerl.rl import checkpoint as ckpt
+from tracerl.rl.alignment import alignment_report
+from tracerl.rl.collect import collect
+from tracerl.rl.evaluate import evaluate
+from tracerl.rl.sft import warm_start
+from tracerl.rl.trainer import Trainer
+from tracerl.rollout import Engine
+
+ROWS = ("bf16", "fp4-naive", "fp4-tis", "fp4-qat", "fp4-qat-r3", "trace", "trace-full")
+DEPLOY = "w4a4kv4"  # how FP4 rows (and ptq) are deployed
+SWEEP_LAYERS = {"all": "all", "deepest half": "fraction:0.5", "deepest quarter": "fraction:0.25"}
+SWEEP_ENCODINGS = ("codes", "lsb", "ties")
+
+
+@dataclass
+class Suite:
+    """A suite file: base config, tasks with their overrides, seeds, rows."""
+
+    name: str
+    base: dict
+    tasks: dict[str, list[str]]
+    seeds: list[int]
+    rows: list[str]
+    study_prompts: int = 8
+    study_samples: int = 4
+
+    @staticmethod
+    def load(name: str, configs_dir: str | Path = "configs/compare") -> Suite:
+        """Read configs/compare/suite-<name>.yaml."""
+        path = Path(configs_dir) / f"suite-{name}.yaml"
+        if not path.is_file():
+            have = sorted(p.stem.removeprefix("suite-") for p in Path(configs_dir).glob("suite-*.yaml"))
+            raise FileNotFoundError(f"no suite {name!r} ({path} missing); available: {have}")
+        d = yaml.safe_load(path.read_text())
+        rows = d.get("rows", list(ROWS))
+        unknown = set(rows) - set(ROWS)
+        if unknown:
+            raise ValueError(f"{path}: unknown rows {sorted(unknown)}; rows are {ROWS}")
+        return Suite(name, d["base"], {k: list(v or []) for k, v in d["tasks"].items()}, list(d["seeds"]), rows,
+                     d.get("study_prompts", 8), d.get("study_samples", 4))
+
+
+def row_overrides(row: str, configs_dir: str | Path = "configs/compare") -> dict:
+    """The overrides a row file holds (nested dict)."""
+    path = Path(configs_dir) / f"{row}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"row config {path} missing")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def run_config(suite: Suite, row: str, task: str, seed: int, out_dir: Path, configs_dir: str | Path) -> Config:
+    """The fully resolved Config of one (row, task, seed) run."""
+    data = _merge(suite.base, row_overrides(row, configs_dir))
+    data = apply_overrides(data, suite.tasks[task])
+    data = apply_overrides(data, [f"task.name={task}", f"train.seed={seed}", f"model.seed={seed}",
+                                  f"run.name={row}-{task}-s{seed}", f"run.out_dir={out_dir / 'runs'}",
+                                  "run.tensorboard=false"])
+    path = out_dir / "cache" / "_tmp_config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def config_hash(cfg: Config) -> str:
+    """Stable hash of everything that determines a run's results (not where it is written)."""
+    d = cfg.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
+    """The shared warm-start weights for (task, seed, warm-start settings), computed once."""
+    key = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "warm": cfg.to_dict()["warm_start"],
+           "seed": cfg.train.seed, "device": cfg.run.device}
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache / f"warm-{cfg.task.name}-s{cfg.train.seed}-{h}.pt"
+    if path.exists():
+        return ckpt.load(path)["model"]
+    log(f"warm start {cfg.task.name} seed {cfg.train.seed}")
+    t = Trainer(_with(cfg, ["run.checkpoint_every=0"]))
+    w = cfg.warm_start
+    # the shared warm start is plain supervised learning: float32 on CPU (fast), bf16 on GPU
+    dtype = torch.bfloat16 if t.device.type == "cuda" else torch.float32
+    losses = warm_start(t.model, t.task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, examples=w.examples,
+                        seed=cfg.train.seed, compute_dtype=dtype, device=t.device)
+    ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses}, path)
+    return t.model.state_dict()
+
+
+def _with(cfg: Config, overrides: list[str]) -> Config:
+    from tracerl.config import _build
+
+    return _build(Config, apply_overrides(cfg.to_dict(), overrides), "")
+
+
+def run_one(cfg: Config, warm: dict, cache: Path, log: Callable[[str], None]) -> dict:
+    """Train one row (cached by config hash); return its result record."""
+    h = config_hash(cfg)
+    path = cache / f"run-{h}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    log(f"train {cfg.run.name}")
+    t0 = time.perf_counter()
+    tr = Trainer(_with(cfg, ["run.checkpoint_every=0", "run.eval_every=0"]))
+    tr.start_from(warm)
+    history = [tr.train_step() for _ in range(cfg.train.steps)]
+    final = tr.evaluate()
+    tr.close()
+    model_path = cache / f"model-{h}.pt"
+    ckpt.save_atomic({"model": tr.model.state_dict()}, model_path)
+    rec = {"name": cfg.run.name, "hash": h, "config": cfg.to_dict(), "history": history,
+           "final_eval": final, "wall_s": time.perf_counter() - t0, "model_path": model_path.name}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec))
+    tmp.replace(path)
+    return rec
+
+
+def eval_ptq(cfg_bf16: Config, rec_bf16: dict, cache: Path) -> dict:
+    """Row 8: the bf16 row's final policy quantized post hoc to w4a4kv4, evaluated as deployed."""
+    tr = Trainer(_with(cfg_bf16, ["run.checkpoint_every=0", "run.eval_every=0"]))
+    tr.model.load_state_dict(ckpt.load(cache / rec_bf16["model_path"])["model"])
+    eng = Engine(tr.model, qat.Recipe(DEPLOY, fmt=cfg_bf16.rollout.format), dtype=tr.engine.dtype, device=tr.device)
+    r = evaluate(eng, tr.task, n=cfg_bf16.task.eval_prompts, max_new_tokens=tr.max_new_tokens)
+    return {"eval/acc": r["acc"], "eval/reward": r["reward"]}
+
+
+def mismatch_study(cfg: Config, warm: dict, suite: Suite, dtype_name: str) -> dict:
+    """Alignments and the CachePolicy sweep on one fixed FP4 rollout batch from the warm-start policy."""
+    cfg = _with(cfg, [f"train.compute_dtype={dtype_name}", "rollout.recipe=w4a4kv4", "train.alignment=trace"])
+    tr = Trainer(_with(cfg, ["run.checkpoint_every=0"]))
+    tr.model.load_state_dict(warm)
+    recipe = tr.recipe
+    prompts = tr.task.prompts("train", suite.study_prompts, seed=12345)
+    out: dict = {"dtype": dtype_name, "alignments": {}, "sweep": []}
+
+    def rollout(policy: CachePolicy | None) -> tuple:
+        eng = Engine(tr.model, recipe, policy, dtype=tr.engine.dtype, device=tr.device, diagnostics=True)
+        t0 = time.perf_counter()
+        col = collect(eng, tr.task, prompts, samples_per_prompt=suite.study_samples,
+                      max_new_tokens=tr.max_new_tokens, seed=12345)
+        return col.batch, time.perf_counter() - t0
+
+    def report(batch, alignment, replay):
+        return alignment_report(tr.model, batch, alignment=alignment, recipe=recipe, routing_replay=replay,
+                                compute_dtype=tr.compute_dtype, temperature=cfg.rollout.temperature)
+
+    plain, t_plain = rollout(None)
+    out["rollout_s_no_record"] = t_plain
+    out["alignments"]["none"] = report(plain, "none", False)
+    out["alignments"]["qat"] = report(plain, "qat", False)
+    out["alignments"]["qat-r3"] = report(plain, "qat", True)
+    for label, layers in SWEEP_LAYERS.items():
+        for enc in SWEEP_ENCODINGS:
+            pol = CachePolicy(layers, "codes+scales", enc, cfg.guidance.delta)
+            batch, t_rec = rollout(pol)
+            m = report(batch, "trace", True)
+            m.update({"layers": label, "encoding": enc, "bytes_per_token": batch.guidance_bytes_per_token,
+                      "rollout_s": t_rec, "recording_overhead": t_rec / t_plain - 1})
+            out["sweep"].append(m)
+    default = CachePolicy(cfg.guidance.layers, cfg.guidance.fields, cfg.guidance.encoding, cfg.guidance.delta)
+    b, _ = rollout(default)
+    out["alignments"]["trace"] = report(b, "trace", True) | {"bytes_per_token": b.guidance_bytes_per_token}
+    full, _ = rollout(CachePolicy("all", "codes+scales", "codes"))
+    out["alignments"]["trace-full"] = report(full, "trace", True) | {"bytes_per_token": full.guidance_bytes_per_token}
+    out["tokens_per_batch"] = int(plain.attention_mask.sum())
+    return out
+
+
+def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Path = "configs/compare",
+              log: Callable[[str], None] = print, only_study: bool = False) -> dict:
+    """Run (or resume) a suite; write reports/<suite>/results.json and return it."""
+    suite = Suite.load(name, configs_dir)
+    out = Path(out_root) / name
+    cache = out / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    results: dict = {"suite": name, "tasks": list(suite.tasks), "seeds": suite.seeds, "rows": suite.rows,
+                     "runs": {}, "ptq": {}, "study": {}, "deploy_recipe": DEPLOY}
+    t_start = time.perf_counter()
+    for task in suite.tasks:
+        for seed in suite.seeds:
+            base_cfg = run_config(suite, "trace", task, seed, out, configs_dir)
+            warm = _warm_state(base_cfg, cache, log)
+            if seed == suite.seeds[0]:
+                for dt in ("float32", "bfloat16"):
+                    key = f"study-{task}-{dt}-{config_hash(base_cfg)}"
+                    p = cache / f"{key}.json"
+                    if not p.exists():
+                        log(f"mismatch study {task} ({dt})")
+                        p.write_text(json.dumps(mismatch_study(base_cfg, warm, suite, dt)))
+                    results["study"][f"{task}/{dt}"] = json.loads(p.read_text())
+            if only_study:
+                continue
+            for row in suite.rows:
+                cfg = run_config(suite, row, task, seed, out, configs_dir)
+                rec = run_one(cfg, warm, cache, log)
+                results["runs"][f"{row}/{task}/{seed}"] = {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s")}
+                if row == "bf16":
+                    p = cache / f"ptq-{rec['hash']}.json"
+                    if not p.exists():
+                        p.write_text(json.dumps(eval_ptq(cfg, rec, cache)))
+                    results["ptq"][f"{task}/{seed}"] = json.loads(p.read_text())
+    bench = Path("bench/results/rollout_h200.json")
+    if bench.exists():
+        results["gpu_bench"] = json.loads(bench.read_text())
+    results["wall_s"] = time.perf_counter() - t_start
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    return results
