@@ -206,9 +206,20 @@ def mismatch_study(cfg: Config, warm: dict, suite: Suite, dtype_name: str) -> di
 
 
 def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Path = "configs/compare",
-              log: Callable[[str], None] = print, only_study: bool = False) -> dict:
-    """Run (or resume) a suite; write reports/<suite>/results.json and return it."""
+              log: Callable[[str], None] = print, only_study: bool = False,
+              tasks: list[str] | None = None) -> dict:
+    """Run (or resume) a suite; write reports/<suite>/results.json and return it.
+
+    `tasks` runs a subset of the suite's task families (e.g. one per process); results.json is
+    written only for a full run, so parallel partial runs fill the cache and a final full call
+    (all cached) assembles everything.
+    """
     suite = Suite.load(name, configs_dir)
+    if tasks:
+        unknown = set(tasks) - set(suite.tasks)
+        if unknown:
+            raise ValueError(f"tasks {sorted(unknown)} are not in suite {name!r} ({list(suite.tasks)})")
+        suite.tasks = {t: suite.tasks[t] for t in tasks}
     out = Path(out_root) / name
     cache = out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -242,5 +253,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     if bench.exists():
         results["gpu_bench"] = json.loads(bench.read_text())
     results["wall_s"] = time.perf_counter() - t_start
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["run_wall_s_total"] = sum(r["wall_s"] for r in results["runs"].values())
+    if not tasks:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
     return results
