@@ -3,7 +3,8 @@
 An 8192x8192 bf16 tensor, NVFP4 and MXFP4: rtn quantize (NVFP4 with the whole-tensor global
 scale, which needs two passes over x, with a given global scale, and with per-row global scales
 fused into one kernel), guided quantize (packed lsb or codes record + recorded scales), the fused
-recording kernel (codes + lsb record), and dequantize to bf16. Every figure is measured in the
+recording kernel (codes + lsb record), and dequantize to bf16; plus NVFP4 with div.rn for every
+division instead of the exact FMA division (A/B). Every figure is measured in the
 same run as a device-to-device copy of x (`torch.empty_like(x).copy_(x)`): GB/s counts the bytes
 an ideal kernel must read + write; `frac_copy` is that over the copy's GB/s; `traffic_frac`
 counts the bytes actually moved (the NVFP4 two-pass case reads x twice). Each Triton result is
@@ -28,8 +29,8 @@ from tracerl.kernels import fp4_quant as fq
 from tracerl.kernels import reference
 
 # (BM, BK, num_warps) candidates tried for the tiled and the row-fused kernels (each is a compile)
-TILE_CONFIGS = [(16, 256, 4), (8, 512, 4), (32, 256, 8), (16, 512, 8), (4, 1024, 4)]
-ROW_CONFIGS = [(1, 8192, 8), (1, 8192, 16), (2, 4096, 8), (1, 2048, 4), (4, 2048, 8)]
+TILE_CONFIGS = [(2, 2048, 4), (4, 1024, 4), (1, 4096, 4), (4, 2048, 8), (8, 1024, 8)]
+ROW_CONFIGS = [(1, 8192, 8), (1, 8192, 16), (1, 4096, 4), (2, 4096, 8), (1, 2048, 4)]
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -111,6 +112,15 @@ def main() -> int:
         xin + codes_b + nb("nvfp4") + 4, 2 * xin + codes_b + nb("nvfp4") + 4)
     add("nvfp4 rtn, given gs", "nvfp4", "tile",
         lambda c: fq.quantize(x, "nvfp4", global_scale=gs_given, config=c)[0],
+        lambda: fp4.quantize(x, "nvfp4", global_scale=gs_given), xin + codes_b + nb("nvfp4"))
+    def exact_div(c):  # the same kernel with div.rn for every division (A/B for the FMA division)
+        fq.FAST_DIV = False
+        try:
+            return fq.quantize(x, "nvfp4", global_scale=gs_given, config=c)[0]
+        finally:
+            fq.FAST_DIV = True
+
+    add("nvfp4 rtn, given gs, div.rn", "nvfp4", "tile", exact_div,
         lambda: fp4.quantize(x, "nvfp4", global_scale=gs_given), xin + codes_b + nb("nvfp4"))
     add("nvfp4 rtn, per-row gs (fused)", "nvfp4", "row",
         lambda c: fq.quantize(x, "nvfp4", per_row_global=True, config=c)[0],

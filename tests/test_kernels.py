@@ -59,7 +59,15 @@ def make_x(kind: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str, seed
     elif kind == "tiny":
         x = randn() * (1e-6 if dtype == torch.float16 else 1e-30)
         if dtype != torch.float16:
-            x.reshape(-1, K)[0] *= 1e-10  # a row of fp32/bf16 subnormals
+            x2 = x.reshape(-1, K)
+            x2[0] *= 1e-10  # a row of fp32/bf16 subnormals
+            # a row of normal blocks holding subnormals whose quotients straddle 2**-150 (round to
+            # zero or not): the tiles the FMA division must leave to div.rn
+            emin = -149 if dtype == torch.float32 else -133
+            xb = x2[1].reshape(-1, B)
+            xb[:] = torch.randn(xb.shape, generator=g) * 4096.0
+            j = torch.arange(2, B) % 16
+            xb[:, 2:] = -(2.0 ** (emin + j.float())) * (1 + torch.randint(0, 3, (xb.shape[0], B - 2), generator=g))
     elif kind == "huge":
         x = randn() * (1e4 if dtype == torch.float16 else 1e30)
         if dtype != torch.float16:  # x / scale underflows: to a subnormal, and to -0.0 (code 0)
@@ -222,6 +230,15 @@ def check_probes(fq, device) -> None:
                    torch.rand(20000, generator=g) * 6, torch.tensor([1e-45, 1e-38, 1e-30])]).clamp(0, 6)
     a_d = a.to(device)
     assert_bits_equal(fq.probe("rtn", a_d).cpu(), fp4.rtn_magnitude_index(a).int(), "rtn index")
+    above = torch.cat([torch.linspace(6, 7, 4097)[:-1], _with_neighbours(torch.tensor([6.5]))])  # no clamp below 7
+    assert_bits_equal(fq.probe("rtn", above.to(device)).cpu(), torch.full(above.shape, 7, dtype=torch.int32), "rtn > 6")
+    codes = torch.arange(16, dtype=torch.int32)
+    assert_bits_equal(fq.probe("e2m1_magnitude", codes.to(device)).cpu(), fp4.E2M1_MAGNITUDES[codes % 8].view(torch.int32),
+                      "e2m1 magnitude")
+    t = torch.cat([torch.tensor([0.0, -0.0, 2.0 ** -89, -(2.0 ** -89), 1e-45, 1e-30, 3e38, -3e38, 1.0]),
+                   _with_neighbours(torch.tensor([2.0 ** -89]))])
+    assert_bits_equal(fq.probe("tiny_nonzero", t.to(device)).cpu(), ((t.abs() > 0) & (t.abs() < 2.0 ** -89)).int(),
+                      "tiny nonzero")
     lo, hi = fp4.grid_neighbours(a)
     assert_bits_equal(fq.probe("neighbours", a_d).cpu(), (lo * 8 + hi).int(), "grid neighbours")
 
@@ -476,6 +493,17 @@ def _fma32(x, y, z):
         return s.astype(np.float32)
 _interp.InterpreterBuilder.create_fma = lambda self, x, y, z: _interp.TensorHandle(
     _fma32(x.data, y.data, z.data), z.dtype.scalar)
+
+# fp32 -> bf16 casts round to nearest even on the GPU; the interpreter truncates
+import triton.language as _tl
+_orig_convert = _interp._convert_float
+def _convert(data, src, dst, rounding_mode):
+    if src == _tl.float32 and dst == _tl.bfloat16:
+        b = np.ascontiguousarray(data).view(np.uint32).astype(np.uint64)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+        return np.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r).astype(np.uint16)
+    return _orig_convert(data, src, dst, rounding_mode)
+_interp._convert_float = _convert
 """
 
 

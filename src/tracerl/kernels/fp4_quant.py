@@ -1,29 +1,18 @@
 """Triton kernels: NVFP4 / MXFP4 quantize (rtn, guided), fused recording, dequantize.
 
 Each kernel is an alternative implementation of `tracerl.fp4` and reproduces it bit for bit,
-including its operation order. Shapes: the input is viewed as x_MK (M rows = all leading dims,
-K = last dim); a program owns BM rows x BK columns seen as x_BM_NB_B (NB FP4 blocks of B elements).
+including its operation order (the numerics and why they are exact: fp4_numerics.py). The input
+is viewed as x_MK (M rows = all leading dims, K = last dim). A program owns BM rows x BK columns,
+held as x_MNPE (BM rows, NB blocks of B = P*8 elements, as P parts of 8). Triton vectorises the
+8 contiguous elements and, for the other dims, places threads along the first ones (rows, then
+blocks) and repeats the last (parts) in registers, so each thread holds whole FP4 blocks: block
+maxima and scales need no shuffles and no thread repeats another's per-block work. The two (or
+four) 16-byte loads of a block's parts are merged by L1.
 
-How bit-exactness is kept (everything below is checked by tests/test_kernels.py on the GPU and, in
-the Triton interpreter, on CPU):
-- Divisions are IEEE round-to-nearest. Plain `/` on fp32 compiles to the approximate
-  `div.full.f32` in Triton and would move exact ties, so they use either `tl.math.div_rn` or,
-  on the hot path, Markstein's FMA division with a per-block reciprocal (`_div_fast`: q0 =
-  a*(y_hi + y_lo) is faithful, r = a - b*q0 is exact, RN(q0 + r*y_hi) = RN(a/b); exact barring
-  underflow/overflow, also checked on ~2e9 cases incl. every float / 6). A tile whose scales or
-  values leave the range where that holds (tiny/huge scales, an element 2**60 below its block
-  max, saturation, or an exact zero beside nonzeros) redoes the division with div_rn.
-- Casts that round are done with integer ops: fp32 -> bf16 (add 0x7FFF + lsb, truncate),
-  fp32 -> e4m3 (round the mantissa to 3 bits; subnormals as an integer multiple of 2**-9),
-  e4m3 / e8m0 -> fp32 by assembling the bits. fp32 -> fp16 uses `.to(tl.float16)` (RNE).
-- The E2M1 index is computed from float32 bits (a >= 1: round the mantissa to one bit;
-  a < 1: 2a + 2**23 rounds to an integer in RNE), never through division or log2.
-- MXFP4 divides by a power of two, so x / 2**e == x * 2**-e exactly: one multiply.
-- No libdevice calls (Triton links libdevice with flush-to-zero on).
-- bf16 tensors travel as int16 (loads widen by a 16-bit shift, stores narrow with the integer
-  rounding above), so no conversion depends on the backend.
-Known differences from the reference: non-finite inputs are not rejected (no host sync; pass
-`check_finite=True` to the public wrapper); a NaN E8M0 scale byte (0xFF) is not reproduced.
+NVFP4 tiles take the FMA-division path unless a block is out of its exact range (tiny or huge
+scales, saturation, or a nonzero |x| < 2**-89); such a tile redoes the division with div.rn.
+Known differences from the reference: non-finite inputs are not rejected (no host sync; the
+public wrapper has `check_finite=True`); NaN E8M0/E4M3 scale bytes are not reproduced.
 """
 
 from __future__ import annotations
@@ -35,10 +24,28 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
+from tracerl.kernels.fp4_numerics import (
+    DTYPE_CODE,
+    _bits,
+    _div_fast,
+    _e2m1_magnitude,
+    _e4m3_value,
+    _f32,
+    _global_scale,
+    _mx_inv_mult,
+    _mx_mult,
+    _mx_scale_byte,
+    _neighbours,
+    _nv_fast_scales,
+    _nv_scale_byte,
+    _recip_parts,
+    _rtn_g,
+    _tiny_nonzero,
+    probe,  # noqa: F401  (tests reach the numerics through this module)
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_CODE = DTYPE_CODE
 # element rounding modes (ROUND)
 RTN, TARGET, TARGET_NIBBLES, BIT, BIT_PACKED = 0, 1, 2, 3, 4
 # guide mask kinds (MASK)
@@ -50,215 +57,69 @@ GS_LOAD, GS_FROM_AMAX, GS_ROW = 0, 1, 2
 C_TARGET, C_TARGET_NIBBLES, C_BIT = tl.constexpr(TARGET), tl.constexpr(TARGET_NIBBLES), tl.constexpr(BIT)
 C_RTN, C_MASK_BYTES, C_MASK_BITS = tl.constexpr(RTN), tl.constexpr(MASK_BYTES), tl.constexpr(MASK_BITS)
 C_GS_FROM_AMAX, C_GS_ROW = tl.constexpr(GS_FROM_AMAX), tl.constexpr(GS_ROW)
-# RN(1/6) and the fp32 value of (1 - 6 * RN(1/6)) * RN(1/6), for dividing block amaxes by 6
-C_Y6_HI, C_Y6_LO = tl.constexpr(0.1666666716337204), tl.constexpr(-4.967053879312289e-09)
-FAST_DIV = True  # NVFP4 divisions by FMA (exact, see above); False: div.rn everywhere (for A/B)
-
-
-# ----------------------------------------------------------------------------- numeric helpers
-
-
-@triton.jit
-def _f32(bits):
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bits(f):
-    return f.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _round_bf16(f):
-    """fp32 -> the fp32 value of its bf16 rounding (RNE, overflow to inf), by integer ops."""
-    b = _bits(f)
-    b = b + 0x7FFF + ((b >> 16) & 1)
-    return _f32((b >> 16) << 16)
-
-
-@triton.jit
-def _round_to_dtype(f, IN_DTYPE: tl.constexpr):
-    """Round an fp32 value to the input dtype (kept as fp32), as torch does for bf16/fp16 math."""
-    if IN_DTYPE == 1:
-        f = _round_bf16(f)
-    elif IN_DTYPE == 2:
-        f = f.to(tl.float16).to(tl.float32)
-    return f
-
-
-@triton.jit
-def _recip_parts(b):
-    """y_hi = RN(1/b) and y_lo ~ 1/b - y_hi (1 - b*y_hi is exact in an FMA)."""
-    y_hi = tl.math.div_rn(1.0, b)
-    return y_hi, tl.fma(-b, y_hi, 1.0) * y_hi
-
-
-@triton.jit
-def _div_fast(a, b, y_hi, y_lo):
-    """RN(a / b) from b's reciprocal parts by FMAs (Markstein); exact barring under/overflow."""
-    q = tl.fma(a, y_hi, a * y_lo)
-    r = tl.fma(-b, q, a)
-    return tl.fma(r, y_hi, q)
-
-
-@triton.jit
-def _global_scale(amax, IN_DTYPE: tl.constexpr):
-    """fp4.nvfp4_global_scale from an amax (the input dtype's value, as fp32).
-
-    torch computes 2688 / amax as reciprocal(amax) * 2688, each rounded to the input dtype,
-    after clamping amax to the dtype's smallest normal; overflow (inf) falls back to 1.
-    """
-    if IN_DTYPE == 2:
-        a = tl.maximum(amax, 6.103515625e-05)
-    else:
-        a = tl.maximum(amax, 1.1754943508222875e-38)
-    r = _round_to_dtype(tl.math.div_rn(1.0, a), IN_DTYPE)
-    g = _round_to_dtype(r * 2688.0, IN_DTYPE)
-    return tl.where(g > 3.4028234663852886e38, 1.0, g)
-
-
-@triton.jit
-def _e4m3_byte(s):
-    """E4M3 byte of s in [0, 448], round to nearest even (torch's float8_e4m3fn cast)."""
-    b = _bits(s)
-    r = b + 0x7FFFF + ((b >> 20) & 1)  # round the mantissa to 3 bits
-    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
-    t = s * 512.0  # subnormals: multiples of 2**-9; t < 8 here
-    n = t.to(tl.int32)
-    frac = t - n.to(tl.float32)
-    n = n + ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
-    return tl.where(s < 0.015625, n, normal)
-
-
-@triton.jit
-def _e4m3_value(byte):
-    """fp32 value of an E4M3 byte (int32 0..255); 0x7F/0xFF (NaN) decode as 480."""
-    e = (byte >> 3) & 0xF
-    m = byte & 7
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, _f32(((e + 120) << 23) | (m << 20)))
-    return _f32(_bits(v) | ((byte & 0x80) << 24))
-
-
-@triton.jit
-def _nv_scale_byte(amax_b, gs, IN_DTYPE: tl.constexpr):
-    """fp4.nvfp4_block_scales: e4m3(clamp(gs * (amax_b / 6 in the input dtype), 448)), 0 -> 0.125."""
-    s = _round_to_dtype(tl.math.div_rn(amax_b, 6.0), IN_DTYPE)
-    s = tl.minimum(gs * s, 448.0)
-    byte = _e4m3_byte(s)
-    return tl.where(byte == 0, 0x20, byte)
-
-
-@triton.jit
-def _nv_fast_scales(amax_b, min_b, gs, sbyte, GUIDE_SCALES: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """Block scale bytes and multipliers s8 / gs by FMA division (tile (BM, NB), gs (BM,)).
-
-    Also returns whether the tile must redo them with div_rn (any block outside the exact range).
-    """
-    g = gs[:, None]
-    yg_hi, yg_lo = _recip_parts(gs)
-    if not GUIDE_SCALES:
-        s = _round_to_dtype(_div_fast(amax_b, 6.0, C_Y6_HI, C_Y6_LO), IN_DTYPE)
-        byte = _e4m3_byte(tl.minimum(g * s, 448.0))
-        sbyte = tl.where(byte == 0, 0x20, byte)
-    mult = _div_fast(_e4m3_value(sbyte), g, yg_hi[:, None], yg_lo[:, None])
-    slow = (g < 8.673617379884035e-19) | (g > 1.152921504606847e18)  # 2**-60, 2**60
-    slow = slow | (mult < 9.313225746154785e-10) | (mult > 1.152921504606847e18)  # 2**-30, 2**60
-    slow = slow | (amax_b > mult * 8.0)  # saturating elements
-    # an element more than 2**60 below the multiplier (its quotient may be subnormal), or an exact
-    # zero beside nonzero values (min |x| is taken over zeros too: cheaper than excluding them)
-    slow = slow | ((amax_b > 0.0) & (min_b < mult * 8.673617379884035e-19))
-    if not GUIDE_SCALES:
-        slow = slow | ((amax_b > 0.0) & (amax_b < 8.077935669463161e-28))  # 2**-90: amax / 6
-    return sbyte, mult, tl.max(tl.max(slow.to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
-def _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """Block scale bytes and the scaled values x / (s8 / gs) with div.rn throughout."""
-    if not GUIDE_SCALES:
-        sbyte = _nv_scale_byte(amax_b, gs[:, None], IN_DTYPE)
-    mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
-    return sbyte, tl.math.div_rn(x, mult[:, :, None])
-
-
-@triton.jit
-def _mx_scale_byte(amax_b):
-    """fp4.mxfp4_block_scales, rule 'even': biased exponent of amax rounded to 1 mantissa bit, - 2."""
-    e = ((_bits(amax_b) + 0x200000) >> 23) & 0xFF
-    return tl.where(e == 255, 254, tl.maximum(e - 2, 0))
-
-
-@triton.jit
-def _mx_inv_mult(e):
-    """2**(127 - e) exactly (the inverse of the E8M0 multiplier); 0 for the NaN byte 255."""
-    inv = _f32((254 - e) << 23)
-    inv = tl.where(e == 254, _f32(tl.full(e.shape, 0x400000, tl.int32)), inv)
-    return tl.where(e == 255, 0.0, inv)
-
-
-@triton.jit
-def _mx_mult(e):
-    """2**(e - 127) exactly, as fp4.block_scale_values (255 -> inf)."""
-    return tl.where(e == 0, _f32(tl.full(e.shape, 0x400000, tl.int32)), _f32(e << 23))
-
-
-@triton.jit
-def _rtn_index(a):
-    """fp4.rtn_magnitude_index for a in [0, 6]: nearest E2M1 magnitude index, ties to even."""
-    b = _bits(a)
-    hi = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252  # a >= 1: 1-bit mantissa RNE
-    lo = _bits(a * 2.0 + 8388608.0) - 0x4B000000  # a < 1: round(2a), RNE by the 2**23 shift
-    return tl.where(a < 1.0, lo, hi)
-
-
-@triton.jit
-def _neighbours(a):
-    """fp4.grid_neighbours for a in [0, 6]: (floor index, ceil index) on the E2M1 grid."""
-    b = _bits(a)
-    t = a * 2.0
-    n = t.to(tl.int32)
-    lo = tl.where(a < 1.0, n, (b >> 22) - 252)
-    on_grid = tl.where(a < 1.0, t == n.to(tl.float32), (b & 0x3FFFFF) == 0)
-    return lo, lo + 1 - on_grid.to(tl.int32)
-
-
-@triton.jit
-def _unpack_nibbles(p, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
-    """uint8 (BM, NB, B//2) packed codes -> int32 (BM, NB, B) codes (low nibble first)."""
-    p = p.to(tl.int32)
-    return tl.reshape(tl.join(p & 15, p >> 4), (BM, NB, B))
-
-
-@triton.jit
-def _unpack_bits(p, BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
-    """uint8 (BM, NB, B//8) -> int32 (BM, NB, B) bits; bit i of byte j is element 8j+i."""
-    sh = tl.arange(0, 8)
-    bits = (p.to(tl.int32)[:, :, :, None] >> sh[None, None, None, :]) & 1
-    return tl.reshape(bits, (BM, NB, B))
+FAST_DIV = True  # NVFP4 divisions by FMA where exact; False: div.rn everywhere (for A/B benchmarks)
 
 
 # ----------------------------------------------------------------------------- tile I/O
 
 
 @triton.jit
-def _offsets(rows, c0, stride, M, K, NB: tl.constexpr, B: tl.constexpr, PER: tl.constexpr):
-    """Pointer offsets and mask of a (BM, NB, B // PER) tile of a row-major (M, K // PER) array."""
-    W: tl.constexpr = B // PER
-    cols = c0 // PER + tl.arange(0, NB)[None, :, None] * W + tl.arange(0, W)[None, None, :]
-    offs = rows.to(tl.int64)[:, None, None] * stride + cols
-    return offs, (rows[:, None, None] < M) & (cols < K // PER)
+def _offs(rows, c0, stride, M, K, P: tl.constexpr, NB: tl.constexpr, B: tl.constexpr, PER: tl.constexpr):
+    """Offsets and mask of the (BM, NB, P, 8 // PER) tile of a row-major (M, K // PER) array."""
+    W: tl.constexpr = 8 // PER
+    cols = (c0 // PER + tl.arange(0, NB)[None, :, None, None] * (B // PER)
+            + tl.arange(0, P)[None, None, :, None] * W + tl.arange(0, W)[None, None, None, :])
+    offs = rows.to(tl.int64)[:, None, None, None] * stride + cols
+    return offs, (rows[:, None, None, None] < M) & (cols < K // PER)
 
 
 @triton.jit
-def _load_x(x_ptr, rows, c0, sx, M, K, NB: tl.constexpr, B: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """x tile (BM, NB, B) as fp32; bf16 arrives as int16 bits."""
-    offs, m = _offsets(rows, c0, sx, M, K, NB, B, 1)
-    raw = tl.load(x_ptr + offs, mask=m, other=0)
+def _load_x(x_ptr, rows, c0, sx, M, K, P: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
+            IN_DTYPE: tl.constexpr):
+    """x tile (BM, NB, P, 8) as fp32. bf16 arrives as int32 words of two (row stride sx in words):
+    the low element is the word << 16, the high one the word with its low half cleared."""
     if IN_DTYPE == 1:
-        x = _f32(raw.to(tl.int32) << 16)
+        offs, m = _offs(rows, c0, sx, M, K, P, NB, B, 2)
+        w = tl.load(x_ptr + offs, mask=m, other=0)
+        x = tl.reshape(tl.join(_f32(w << 16), _f32(w & -65536)), (w.shape[0], w.shape[1], P, 8))
     else:
-        x = raw.to(tl.float32)
+        offs, m = _offs(rows, c0, sx, M, K, P, NB, B, 1)
+        x = tl.load(x_ptr + offs, mask=m, other=0).to(tl.float32)
     return x
+
+
+@triton.jit
+def _block_max(t):
+    """(BM, NB, P, 8) -> (BM, NB) maximum."""
+    return tl.max(tl.max(t, axis=3), axis=2)
+
+
+@triton.jit
+def _unpack_nibbles(p):
+    """uint8 (BM, NB, P, 4) packed codes -> int32 (BM, NB, P, 8) (low nibble first)."""
+    p = p.to(tl.int32)
+    return tl.reshape(tl.join(p & 15, p >> 4), (p.shape[0], p.shape[1], p.shape[2], 8))
+
+
+@triton.jit
+def _unpack_bits(p):
+    """uint8 (BM, NB, P, 1) -> int32 (BM, NB, P, 8) bits; bit i of the byte is element i."""
+    return (p.to(tl.int32) >> tl.arange(0, 8)[None, None, None, :]) & 1
+
+
+@triton.jit
+def _load_guide(ptr, rows, c0, stride, M, K, P: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
+                PER: tl.constexpr):
+    """A guide field as int32 (BM, NB, P, 8): per element (PER 1), nibble-packed (2) or bit-packed (8)."""
+    offs, m = _offs(rows, c0, stride, M, K, P, NB, B, PER)
+    t = tl.load(ptr + offs, mask=m, other=0)
+    if PER == 2:
+        t = _unpack_nibbles(t)
+    elif PER == 8:
+        t = _unpack_bits(t)
+    else:
+        t = t.to(tl.int32)
+    return t
 
 
 @triton.jit
@@ -270,74 +131,86 @@ def _quant_tile(
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
-    """Quantize one x tile (BM, NB, B) with per-row global scales gs (BM,) and store its outputs."""
+    """Quantize one x tile (BM, NB, P, 8) with per-row global scales gs (BM,) and store its outputs."""
+    P: tl.constexpr = B // 8
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_offs = rows.to(tl.int64)[:, None] * ss + s_cols
     s_mask = (rows[:, None] < M) & (s_cols < K // B)
     ax = tl.abs(x)
-    amax_b = tl.max(ax, axis=2)  # (BM, NB)
+    amax_b = _block_max(ax)  # (BM, NB)
     if GUIDE_SCALES:
         sbyte = tl.load(scales_ptr + s_offs, mask=s_mask, other=0x20).to(tl.int32)
     else:
         sbyte = amax_b.to(tl.int32)  # placeholder, computed below
+    clamp = GUIDE_SCALES  # computed MXFP4 scales and the NVFP4 fast path keep |v| < 7
     if NV:
         if FAST:
-            sbyte, mult, slow = _nv_fast_scales(amax_b, tl.min(ax, axis=2), gs, sbyte, GUIDE_SCALES, IN_DTYPE)
+            if IN_DTYPE == 2:  # fp16 has no nonzero value below 2**-89
+                tiny_b = tl.zeros(amax_b.shape, tl.float32)
+            else:
+                tiny_b = _block_max(_tiny_nonzero(ax))
+            sbyte, mult, slow = _nv_fast_scales(amax_b, tiny_b, gs, sbyte, GUIDE_SCALES, IN_DTYPE)
             if slow != 0:  # a rare tile outside the FMA division's exact range
-                sbyte, v = _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES, IN_DTYPE)
+                if not GUIDE_SCALES:
+                    sbyte = _nv_scale_byte(amax_b, gs[:, None], IN_DTYPE)
+                mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
+                v = tl.math.div_rn(x, mult[:, :, None, None])
+                v = tl.minimum(tl.maximum(v, -6.0), 6.0)
             else:
                 y_hi, y_lo = _recip_parts(mult)
-                v = _div_fast(x, mult[:, :, None], y_hi[:, :, None], y_lo[:, :, None])
+                v = _div_fast(x, mult[:, :, None, None], y_hi[:, :, None, None], y_lo[:, :, None, None])
         else:
-            sbyte, v = _nv_exact(x, amax_b, gs, sbyte, GUIDE_SCALES, IN_DTYPE)
+            if not GUIDE_SCALES:
+                sbyte = _nv_scale_byte(amax_b, gs[:, None], IN_DTYPE)
+            mult = tl.math.div_rn(_e4m3_value(sbyte), gs[:, None])
+            v = tl.math.div_rn(x, mult[:, :, None, None])
+            clamp = True
     else:
         if not GUIDE_SCALES:
             sbyte = _mx_scale_byte(amax_b)
-        v = x * _mx_inv_mult(sbyte)[:, :, None]  # exact: a power of two
+        v = x * _mx_inv_mult(sbyte)[:, :, None, None]  # exact: a power of two
     if not GUIDE_SCALES:
         tl.store(scales_ptr + s_offs, sbyte.to(tl.uint8), mask=s_mask)
-    v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-    a = tl.abs(v)
 
+    v = v + 0.0  # -0.0 -> +0.0, so the sign bit is set exactly where v < 0
+    a = tl.abs(v)
+    if clamp or ROUND != C_RTN:
+        a = tl.minimum(a, 6.0)
+    g = _rtn_g(a)  # 2**23 + round-to-nearest index
     if ROUND == C_RTN:
-        idx = _rtn_index(a)
+        idx = _bits(g)  # 0x4B000000 + index (see the packing below)
     else:
-        lo, hi = _neighbours(a)
+        lo, hi = _neighbours(g, a)
         if ROUND == C_TARGET:
-            t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 1)
-            t = tl.load(tgt_ptr + t_offs, mask=t_mask, other=0).to(tl.int32)
+            t = _load_guide(tgt_ptr, rows, c0, st, M, K, P, NB, B, 1)
             idx = tl.where(t >= hi, hi, lo)
         elif ROUND == C_TARGET_NIBBLES:
-            t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 2)
-            t = _unpack_nibbles(tl.load(tgt_ptr + t_offs, mask=t_mask, other=0), BM, NB, B) & 7
+            t = _load_guide(tgt_ptr, rows, c0, st, M, K, P, NB, B, 2) & 7
             idx = tl.where(t >= hi, hi, lo)
         elif ROUND == C_BIT:
-            t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 1)
-            t = tl.load(tgt_ptr + t_offs, mask=t_mask, other=0).to(tl.int32) & 1
+            t = _load_guide(tgt_ptr, rows, c0, st, M, K, P, NB, B, 1) & 1
             idx = tl.where((hi & 1) == t, hi, lo)
         else:  # BIT_PACKED
-            t_offs, t_mask = _offsets(rows, c0, st, M, K, NB, B, 8)
-            t = _unpack_bits(tl.load(tgt_ptr + t_offs, mask=t_mask, other=0), BM, NB, B)
+            t = _load_guide(tgt_ptr, rows, c0, st, M, K, P, NB, B, 8)
             idx = tl.where((hi & 1) == t, hi, lo)
         if MASK == C_MASK_BYTES:
-            m_offs, m_mask = _offsets(rows, c0, sm, M, K, NB, B, 1)
-            keep = tl.load(mask_ptr + m_offs, mask=m_mask, other=0) != 0
-            idx = tl.where(keep, idx, _rtn_index(a))
+            keep = _load_guide(mask_ptr, rows, c0, sm, M, K, P, NB, B, 1) != 0
+            idx = tl.where(keep, idx, _bits(g) & 7)
         elif MASK == C_MASK_BITS:
-            m_offs, m_mask = _offsets(rows, c0, sm, M, K, NB, B, 8)
-            keep = _unpack_bits(tl.load(mask_ptr + m_offs, mask=m_mask, other=0), BM, NB, B) != 0
-            idx = tl.where(keep, idx, _rtn_index(a))
+            keep = _load_guide(mask_ptr, rows, c0, sm, M, K, P, NB, B, 8) != 0
+            idx = tl.where(keep, idx, _bits(g) & 7)
 
-    # the sign bit is set for every strictly negative scaled value, also when it rounds to 0
-    code = idx | ((v < 0.0).to(tl.int32) << 3)
-    lo_c, hi_c = tl.split(tl.reshape(code, (BM, NB, B // 2, 2)))
-    c_offs, c_mask = _offsets(rows, c0, sc, M, K, NB, B, 2)
-    tl.store(codes_ptr + c_offs, (lo_c | (hi_c << 4)).to(tl.uint8), mask=c_mask)
+    # code = index + 8 * (v < 0) (v's sign bit, as v is never -0.0 here). For rtn, idx is the
+    # bits of g, 0x4B000000 + index: the constant sits above bit 23 and never reaches the low byte
+    # of lo + (hi << 4), so the packing's truncation to uint8 drops it (saves two masks).
+    code = idx + ((_bits(v).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True) << 3)
+    lo_c, hi_c = tl.split(tl.reshape(code, (BM, NB, P, 4, 2)))
+    c_offs, c_mask = _offs(rows, c0, sc, M, K, P, NB, B, 2)
+    tl.store(codes_ptr + c_offs, (lo_c + (hi_c << 4)).to(tl.uint8), mask=c_mask)
     if RECORD:
-        sh = tl.arange(0, 8)[None, None, None, :]
-        lsb = tl.reshape(idx & 1, (BM, NB, B // 8, 8))
-        r_offs, r_mask = _offsets(rows, c0, sr, M, K, NB, B, 8)
-        tl.store(rec_ptr + r_offs, tl.sum(lsb << sh, axis=3).to(tl.uint8), mask=r_mask)
+        lsb = tl.sum((idx & 1) << tl.arange(0, 8)[None, None, None, :], axis=3)
+        r_offs, r_mask = _offs(rows, c0, sr, M, K, P, NB, B, 8)
+        tl.store(rec_ptr + tl.reshape(r_offs, (BM, NB, P)), lsb.to(tl.uint8), mask=tl.reshape(r_mask, (BM, NB, P)))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -352,15 +225,14 @@ def _absmax_kernel(x_ptr, amax_ptr, N, ITERS, BLOCK: tl.constexpr, IN_DTYPE: tl.
     for i in range(ITERS):
         offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         raw = tl.load(x_ptr + offs, mask=offs < N, other=0)
-        if IN_DTYPE == 1:
-            x = _f32(raw.to(tl.int32) << 16)
+        if IN_DTYPE == 1:  # int32 words of two bf16
+            acc = tl.maximum(acc, tl.maximum(tl.abs(_f32(raw << 16)), tl.abs(_f32(raw & -65536))))
         else:
-            x = raw.to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
+            acc = tl.maximum(acc, tl.abs(raw.to(tl.float32)))
     tl.atomic_max(amax_ptr, _bits(tl.max(acc, axis=0)))
 
 
-@triton.jit(do_not_specialize=["M", "ss", "sg", "st", "sm", "sr"])
+@triton.jit(do_not_specialize=["M", "sg"])
 def _quant_kernel(
     x_ptr, codes_ptr, scales_ptr, gs_ptr, gs_out_ptr, tgt_ptr, mask_ptr, rec_ptr,
     M, K, sx, sc, ss, sg, st, sm, sr,
@@ -368,25 +240,26 @@ def _quant_kernel(
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
-    """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == C_GS_ROW (M/BM,) and a loop over K."""
+    """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == GS_ROW (M/BM,) and a loop over K."""
     BK: tl.constexpr = NB * B
+    P: tl.constexpr = B // 8
     pid_m = tl.program_id(0)
     rows = pid_m * BM + tl.arange(0, BM)
     if GS == C_GS_ROW:  # per-row global scale, fused: pass 1 row amax, pass 2 quantize
         amax = tl.zeros((BM,), tl.float32)
         for c0 in range(0, K, BK):
-            x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+            x = _load_x(x_ptr, rows, c0, sx, M, K, P, NB, B, IN_DTYPE)
+            amax = tl.maximum(amax, tl.max(_block_max(tl.abs(x)), axis=1))
         gs = _global_scale(amax, IN_DTYPE)
         tl.store(gs_out_ptr + rows, gs, mask=rows < M)
         for c0 in range(0, K, BK):
-            x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
+            x = _load_x(x_ptr, rows, c0, sx, M, K, P, NB, B, IN_DTYPE)
             _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
                         sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
     else:
         pid_k = tl.program_id(1)
         c0 = pid_k * BK
-        x = _load_x(x_ptr, rows, c0, sx, M, K, NB, B, IN_DTYPE)
+        x = _load_x(x_ptr, rows, c0, sx, M, K, P, NB, B, IN_DTYPE)
         if NV:
             if GS == C_GS_FROM_AMAX:
                 g = _global_scale(_f32(tl.load(gs_ptr)), IN_DTYPE)
@@ -401,19 +274,20 @@ def _quant_kernel(
                     sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
 
 
-@triton.jit(do_not_specialize=["M", "ss", "sg"])
+@triton.jit(do_not_specialize=["M", "sg"])
 def _dequant_kernel(
     codes_ptr, scales_ptr, gs_ptr, out_ptr,
     M, K, sc, ss, sg, so,
-    NV: tl.constexpr, OUT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+    NV: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
-    """out_MK = e2m1(code) * block multiplier, in fp32, rounded to the output dtype."""
+    """out_MK = e2m1(code) * block multiplier in fp32, rounded (RNE) to out's dtype."""
     BK: tl.constexpr = NB * B
+    P: tl.constexpr = B // 8
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     c0 = tl.program_id(1) * BK
-    c_offs, c_mask = _offsets(rows, c0, sc, M, K, NB, B, 2)
-    code = _unpack_nibbles(tl.load(codes_ptr + c_offs, mask=c_mask, other=0), BM, NB, B)
+    c_offs, c_mask = _offs(rows, c0, sc, M, K, P, NB, B, 2)
+    code = _unpack_nibbles(tl.load(codes_ptr + c_offs, mask=c_mask, other=0))
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_mask = (rows[:, None] < M) & (s_cols < K // B)
     sbyte = tl.load(scales_ptr + rows.to(tl.int64)[:, None] * ss + s_cols, mask=s_mask, other=0x20)
@@ -433,71 +307,10 @@ def _dequant_kernel(
             mult = tl.math.div_rn(s8, gs[:, None])
     else:
         mult = _mx_mult(sbyte)
-    idx = code & 7
-    fi = idx.to(tl.float32)
-    mag = tl.where(idx < 4, fi * 0.5, tl.where(idx < 6, fi - 2.0, (fi - 4.0) * 2.0))
-    # the sign by bit (unary minus is 0 - x in Triton and would turn -0.0 into +0.0)
-    val = _f32(_bits(mag * mult[:, :, None]) | ((code & 8) << 28))
-    o_offs, o_mask = _offsets(rows, c0, so, M, K, NB, B, 1)
-    if OUT_DTYPE == 1:  # bf16 bits, RNE; NaN -> 0x7FC0 as torch
-        b = _bits(val)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-        tl.store(out_ptr + o_offs, r.to(tl.int16), mask=o_mask)
-    elif OUT_DTYPE == 2:
-        tl.store(out_ptr + o_offs, val.to(tl.float16), mask=o_mask)
-    else:
-        tl.store(out_ptr + o_offs, val, mask=o_mask)
-
-
-@triton.jit
-def _probe_kernel(in_ptr, in2_ptr, out_ptr, N, WHAT: tl.constexpr, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    """Apply one numeric helper elementwise (tests check each against torch exhaustively)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    v = tl.load(in_ptr + offs, mask=m, other=0)
-    w = tl.load(in2_ptr + offs, mask=m, other=1)
-    if WHAT == 0:
-        r = _rtn_index(v)
-    elif WHAT == 1:
-        lo, hi = _neighbours(v)
-        r = lo * 8 + hi
-    elif WHAT == 2:
-        r = _e4m3_byte(v)
-    elif WHAT == 3:
-        r = _bits(_round_bf16(v))
-    elif WHAT == 4:
-        r = _bits(_e4m3_value(v))
-    elif WHAT == 5:
-        r = _bits(_global_scale(v, IN_DTYPE))
-    elif WHAT == 6:
-        r = _mx_scale_byte(v)
-    elif WHAT == 7:
-        r = _bits(_mx_mult(v))
-    elif WHAT == 8:
-        r = _bits(_mx_inv_mult(v))
-    elif WHAT == 9:
-        y_hi, y_lo = _recip_parts(w)
-        r = _bits(_div_fast(v, w, y_hi, y_lo))
-    else:
-        r = _bits(tl.math.div_rn(v, w))
-    tl.store(out_ptr + offs, r, mask=m)
-
-
-PROBES = {"rtn": 0, "neighbours": 1, "e4m3": 2, "bf16": 3, "e4m3_value": 4, "global_scale": 5,
-          "mx_scale": 6, "mx_mult": 7,
-          "mx_inv_mult": 8, "div_fast": 9, "div_rn": 10}
-
-
-def probe(what: str, values: torch.Tensor, in_dtype: torch.dtype = torch.float32,
-          divisor: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 results of numeric helper `what` on float32 (or int32 byte) values; for tests."""
-    out = torch.empty(values.shape, dtype=torch.int32, device=values.device)
-    n = values.numel()
-    w = divisor if divisor is not None else torch.ones_like(values)
-    _probe_kernel[(triton.cdiv(n, 1024),)](values, w, out, n, WHAT=PROBES[what], IN_DTYPE=_DTYPE_CODE[in_dtype],
-                                          BLOCK=1024)
-    return out
+    # the sign by bit (Triton's unary minus is 0 - x and would turn -0.0 into +0.0)
+    val = _f32(_bits(_e2m1_magnitude(code) * mult[:, :, None, None]) | ((code & 8) << 28))
+    o_offs, o_mask = _offs(rows, c0, so, M, K, P, NB, B, 1)
+    tl.store(out_ptr + o_offs, val.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 # ----------------------------------------------------------------------------- Python wrappers
@@ -508,15 +321,15 @@ def _pow2(n: int) -> int:
 
 
 def _tile(M: int, K: int, B: int, cfg: tuple[int, int, int] | None, row_fused: bool) -> tuple[int, int, int]:
-    """(BM, BK, num_warps): about 4096 elements a program; BK a power of two multiple of B."""
+    """(BM, BK, num_warps): about 4096 elements a program, few rows and long column spans (threads
+    go along rows first, then blocks: few rows keep a warp's loads on contiguous memory)."""
     if cfg is not None:
         bm, bk, nw = cfg
-        bk = max(B, min(bk, _pow2(K)))
-        return bm, bk, nw
+        return bm, max(B, min(bk, _pow2(K))), nw
     if row_fused:  # one row a program, the row in registers when it fits
         bk = max(B, min(_pow2(K), 8192))
         return 1, bk, 8 if bk >= 4096 else 4
-    bk = max(B, min(_pow2(K), 256))
+    bk = max(B, min(_pow2(K), 2048))
     bm = max(1, min(4096 // bk, _pow2(M)))
     return bm, bk, 4
 
@@ -585,7 +398,12 @@ def quantize(
     x2 = _rows(x, K, "x")
     M = x2.shape[0]
     in_code = _DTYPE_CODE[x.dtype]
-    xk = x2.view(torch.int16) if x.dtype == torch.bfloat16 else x2
+    if x.dtype == torch.bfloat16:  # int32 words of two elements (needs 4-byte aligned rows)
+        if x2.storage_offset() % 2 or (x2.shape[0] > 1 and x2.stride(0) % 2):
+            x2 = x2.contiguous()
+        xk, sx = x2.view(torch.int32), x2.stride(0) // 2
+    else:
+        xk, sx = x2, x2.stride(0)
 
     codes = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     dummy = codes
@@ -662,7 +480,7 @@ def quantize(
     if M > 0:
         _quant_kernel[grid](
             xk, codes, scales, gs_in, gs_out, tgt, msk, rec,
-            M, K, x2.stride(0), codes.stride(0), scales.stride(0), sg, st, sm, sr,
+            M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr,
             IN_DTYPE=in_code, NV=spec.has_global_scale, GS=gs_mode, GUIDE_SCALES=guide_scales,
             ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
             BM=bm, NB=bk // B, B=B, num_warps=nw,
@@ -709,11 +527,10 @@ def dequantize(q: fp4.FP4Tensor, dtype: torch.dtype = torch.bfloat16,
             raise ValueError("an nvfp4 FP4Tensor needs its global scale to be dequantized")
         gs, sg = _gs_rows(q.global_scale, M, dev, "q")
     out = torch.empty(M, K, dtype=dtype, device=dev)
-    outk = out.view(torch.int16) if dtype == torch.bfloat16 else out
     bm, bk, nw = _tile(M, K, B, config, False)
     if M > 0:
         _dequant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
-            codes, scales, gs, outk, M, K, codes.stride(0), scales.stride(0), sg, out.stride(0),
-            NV=spec.has_global_scale, OUT_DTYPE=_DTYPE_CODE[dtype], FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw,
+            codes, scales, gs, out, M, K, codes.stride(0), scales.stride(0), sg, out.stride(0),
+            NV=spec.has_global_scale, FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw,
         )
     return out.reshape(shape)

@@ -1,0 +1,356 @@
+"""Decode attention (one new query per row) over a BF16 or an FP4 KV cache, GQA, split-KV.
+
+Shapes: B rows (cache slots 0..B-1), H query heads, Hkv key/value heads, G = H // Hkv query heads
+per KV head, Dh head_dim, T cache positions, S splits of the positions.
+
+Cache layouts (those of rollout/kvcache.py, one layer):
+- BF16: k, v (slots, T, Hkv, Dh).
+- FP4 (FP4KVCache.codes/scales/gscale[kv, layer]): codes uint8 (slots, T, Hkv, Dh//2), E4M3 scale
+  bytes uint8 (slots, T, Hkv, Dh//16), per-row global scales float32 (slots, T, Hkv, 1): the
+  value is e2m1 * s8 / gs, blocks of 16 along Dh, as `fp4.quantize(..., per_row_global=True)`.
+
+One program per (row, KV head, split) attends all G query heads of the group to its split's
+positions [split * split_len, min(len, (split + 1) * split_len)) with an online softmax in float32
+and writes a partial (o, m, l); a merge kernel combines the splits by their log-sum-exp
+(flash-decoding, as rollout/attention.py does on CPU). For an FP4 cache the K/V tiles are
+dequantized in registers to exact c * s8 (BF16) and never written out; 1/gs of a position is
+folded into its score (K) and into its probability before the PV dot (V). Against the engine's
+CPU path (K/V dequantized to BF16, then float32 softmax) the result agrees to BF16 rounding:
+that path rounds c * s8 / gs to BF16 and this kernel feeds P to the PV dot in BF16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tracerl import fp4
+from tracerl.kernels import fp4_gemm
+from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_tile
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, sqb,
+    k_ptr, v_ptr, skb, skt,
+    kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, scb, sct, ssb, sst, sgb, sgt,
+    len_ptr, po_ptr, pml_ptr,
+    sm_scale, S, SPLIT_LEN,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
+    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    L = tl.load(len_ptr + b)
+    t0 = sp * SPLIT_LEN
+    t1 = tl.minimum(t0 + SPLIT_LEN, L)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    heads = hk * G + tl.where(gmask, g, 0)
+    b64 = b.to(tl.int64)
+    qrow = q_ptr + b64 * sqb + heads[:, None] * DH
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    if KV_FP4:
+        j = tl.arange(0, DH // 2)
+        q_ev = tl.load(qrow + 2 * j[None, :], mask=gmask[:, None], other=0.0)
+        q_od = tl.load(qrow + 2 * j[None, :] + 1, mask=gmask[:, None], other=0.0)
+        if F32:
+            q_ev, q_od = q_ev.to(tl.float32), q_od.to(tl.float32)
+        acc_ev = tl.zeros((GP, DH // 2), tl.float32)
+        acc_od = tl.zeros((GP, DH // 2), tl.float32)
+        kc = kc_ptr + b64 * scb + hk * (DH // 2)
+        ks = ks_ptr + b64 * ssb + hk * (DH // 16)
+        vc = vc_ptr + b64 * scb + hk * (DH // 2)
+        vs = vs_ptr + b64 * ssb + hk * (DH // 16)
+        kg = kg_ptr + b64 * sgb + hk
+        vg = vg_ptr + b64 * sgb + hk
+    else:
+        d = tl.arange(0, DH)
+        q = tl.load(qrow + d[None, :], mask=gmask[:, None], other=0.0)
+        if F32:
+            q = q.to(tl.float32)
+        acc = tl.zeros((GP, DH), tl.float32)
+        kb = k_ptr + b64 * skb + hk * DH
+        vb = v_ptr + b64 * skb + hk * DH
+    t = t0
+    while t < t1:
+        ts = t + tl.arange(0, BT)
+        tmask = ts < t1
+        ts64 = tl.where(tmask, ts, 0).to(tl.int64)
+        if KV_FP4:
+            k_ev, k_od = _fp4_tile(kc, ks, ts64, tmask, sct, sst, 0, DH, BT, ASM, F32)
+            gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
+            s = tl.dot(q_ev, tl.trans(k_ev))
+            s = tl.dot(q_od, tl.trans(k_od), s)
+            s = s * (sm_scale / gk)[None, :]
+        else:
+            kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+            if F32:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, tl.trans(kt)) * sm_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP4:
+            v_ev, v_od = _fp4_tile(vc, vs, ts64, tmask, sct, sst, 0, DH, BT, ASM, F32)
+            gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+            pv = p / gv[None, :]
+            if not F32:
+                pv = _bf16(pv)
+            acc_ev = tl.dot(pv, v_ev, acc_ev * alpha[:, None])
+            acc_od = tl.dot(pv, v_od, acc_od * alpha[:, None])
+        else:
+            vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+            if F32:
+                pv = p
+                vt = vt.to(tl.float32)
+            else:
+                pv = _bf16(p)
+            acc = tl.dot(pv, vt, acc * alpha[:, None])
+        m_i = m_new
+        t += BT
+    prow = ((b64 * H + heads) * S + sp)
+    if KV_FP4:
+        optr = po_ptr + prow[:, None] * DH + 2 * j[None, :]
+        tl.store(optr, acc_ev, mask=gmask[:, None])
+        tl.store(optr + 1, acc_od, mask=gmask[:, None])
+    else:
+        tl.store(po_ptr + prow[:, None] * DH + d[None, :], acc, mask=gmask[:, None])
+    tl.store(pml_ptr + prow * 2, m_i, mask=gmask)
+    tl.store(pml_ptr + prow * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SP)
+    smask = sp < S
+    m = tl.load(pml_ptr + (bh * S + sp) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(pml_ptr + (bh * S + sp) * 2 + 1, mask=smask, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)
+    d = tl.arange(0, DH)
+    o = tl.load(po_ptr + (bh * S + sp)[:, None] * DH + d[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(o * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    tl.store(out_ptr + bh * DH + d, _bf16(num / den))
+
+
+def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64, target_programs: int = 1024) -> int:
+    """Positions per split: enough splits that B * Hkv * S programs fill the GPU, whole BT tiles."""
+    tiles = triton.cdiv(max_len, block_t)
+    splits = max(1, min(tiles, target_programs // max(1, batch * n_kv_heads)))
+    return triton.cdiv(tiles, splits) * block_t
+
+
+def decode_attention(
+    q: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    k_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    v_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_t: int = 64,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
+
+    Give either BF16 `k`, `v` (slots, T, Hkv, Dh), or `k_fp4`, `v_fp4` = (codes, scale bytes,
+    global scales) of one layer as FP4KVCache stores them. lens: int32 (B,), every entry >= 1.
+    Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
+    that a CUDA graph can replay it for any lens); default from the cache length.
+    """
+    B, H, Dh = q.shape
+    fp4_kv = k_fp4 is not None
+    if fp4_kv:
+        kc, ks, kg = k_fp4
+        vc, vs, vg = v_fp4
+        T, Hkv = kc.shape[1], kc.shape[2]
+        for t in (kc, ks, vc, vs):
+            if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError("FP4 cache codes/scales must be contiguous over (Hkv, last dim)")
+        if kc.stride() != vc.stride() or ks.stride() != vs.stride() or kg.stride() != vg.stride():
+            raise ValueError("K and V FP4 views must share strides")
+        ks, vs = ks.view(torch.uint8), vs.view(torch.uint8)
+    else:
+        T, Hkv = k.shape[1], k.shape[2]
+        if k.stride() != v.stride() or k.stride(-1) != 1 or k.stride(-2) != Dh:
+            raise ValueError("k and v must share strides, contiguous over (Hkv, Dh)")
+    if H % Hkv:
+        raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
+    G = H // Hkv
+    if q.stride(-1) != 1 or q.stride(-2) != Dh:
+        q = q.contiguous()
+    split_len = split_len or split_len_for(T, B, Hkv, block_t)
+    S = triton.cdiv(T, split_len)
+    po = torch.empty(B, H, S, Dh, device=q.device, dtype=torch.float32)
+    pml = torch.empty(B, H, S, 2, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, H * Dh, device=q.device, dtype=torch.bfloat16)
+    d = q  # placeholder for unused pointers
+    if fp4_kv:
+        args = (d, d, 0, 0, kc, ks, kg, vc, vs, vg, kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),
+                kg.stride(0), kg.stride(1))
+    else:
+        args = (k, v, k.stride(0), k.stride(1), d, d, d, d, d, d, 0, 0, 0, 0, 0, 0)
+    _decode_attn_kernel[(B, Hkv, S)](
+        q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
+        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
+        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def fp4_rows(codes: torch.Tensor, scale_bytes: torch.Tensor, gs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Values of FP4 cache rows (..., Dh//2) codes, (..., Dh//16) scale bytes, (..., 1) global scales."""
+    q = fp4.FP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), gs, "nvfp4",
+                      torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
+    return fp4.dequantize(q, dtype)
+
+
+def decode_attention_reference(q: torch.Tensor, lens: torch.Tensor, *, k=None, v=None, k_fp4=None, v_fp4=None,
+                               kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`decode_attention` in float64 on K/V dequantized to `kv_dtype` (float32: exact c*s8/gs)."""
+    B, H, Dh = q.shape
+    if k_fp4 is not None:
+        k = fp4_rows(*k_fp4, dtype=kv_dtype)
+        v = fp4_rows(*v_fp4, dtype=kv_dtype)
+    Hkv = k.shape[2]
+    out = torch.empty(B, H, Dh, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        n = int(lens[b])
+        kb = k[b, :n].double().repeat_interleave(H // Hkv, dim=1)  # (n, H, Dh)
+        vb = v[b, :n].double().repeat_interleave(H // Hkv, dim=1)
+        s = torch.einsum("hd,thd->ht", q[b].double(), kb) / math.sqrt(Dh)
+        out[b] = torch.einsum("ht,thd->hd", torch.softmax(s, dim=-1), vb)
+    return out.reshape(B, H * Dh)
+
+
+# ----------------------------------------------------------------------------- new K/V: norm, RoPE, store
+
+
+@triton.jit
+def _rb(x):
+    """Round float32 to BF16 and back (the model's BF16 ops round every result)."""
+    return _bf16(x).to(tl.float32)
+
+
+@triton.jit
+def _qkv_post_kernel(qkv_ptr, sqkv, normw_ptr, cos_ptr, sin_ptr, scs, pos_ptr, q_ptr,
+                     kd_ptr, vd_ptr, sdb, sdt, eps,
+                     H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, QK_NORM: tl.constexpr):
+    """Head j of row b: q/k RMSNorm over Dh (qk_norm 'head'), RoPE at pos[b]; q to q_ptr, k/v stored."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    d = tl.arange(0, DH)
+    rot = (d + DH // 2) % DH
+    row = qkv_ptr + b * sqkv + j * DH
+    x = tl.load(row + d).to(tl.float32)
+    xr = tl.load(row + rot).to(tl.float32)
+    if QK_NORM:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DH + eps)
+        wrow = normw_ptr + (j >= H).to(tl.int32) * DH
+        x = _rb(_rb(x * r) * tl.load(wrow + d).to(tl.float32))
+        xr = _rb(_rb(xr * r) * tl.load(wrow + rot).to(tl.float32))
+    xr = tl.where(d < DH // 2, -xr, xr)
+    c = tl.load(cos_ptr + pos * scs + d).to(tl.float32)
+    s = tl.load(sin_ptr + pos * scs + d).to(tl.float32)
+    y = _bf16(_rb(x * c) + _rb(xr * s))
+    if j < H:
+        tl.store(q_ptr + (b * H + j) * DH + d, y)
+    else:
+        hk = j - H
+        tl.store(kd_ptr + b * sdb + pos * sdt + hk * DH + d, y)
+        v = tl.load(qkv_ptr + b * sqkv + (H + HKV + hk) * DH + d)
+        tl.store(vd_ptr + b * sdb + pos * sdt + hk * DH + d, v)
+
+
+def qkv_post(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             norm_w: torch.Tensor | None, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
+             k_dst: torch.Tensor, v_dst: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Split the fused q/k/v projection (B, (H + 2 Hkv) Dh), apply the per-head q/k RMSNorm
+    (norm_w = stack([q_norm, k_norm]) (2, Dh), or None for qk_norm 'none') and RoPE (cos/sin
+    tables (positions, Dh) BF16, as layers.rope_cos_sin), return q (B, H, Dh) and store k, v.
+
+    k_dst / v_dst: (B, T, Hkv, Dh) BF16 views (a cache layer: row b's token goes to column
+    pos[b]) or (B, Hkv, Dh) buffers (stride 0 along T: one new token per row).
+    """
+    B = qkv.shape[0]
+    if q_out is None:
+        q_out = torch.empty(B, n_heads, head_dim, device=qkv.device, dtype=torch.bfloat16)
+    if k_dst.dim() == 3:
+        sdb, sdt = k_dst.stride(0), 0
+    else:
+        sdb, sdt = k_dst.stride(0), k_dst.stride(1)
+    if k_dst.stride() != v_dst.stride() or k_dst.stride(-1) != 1 or k_dst.stride(-2) != head_dim:
+        raise ValueError("k_dst and v_dst must share strides and be contiguous over (Hkv, Dh)")
+    if B:
+        _qkv_post_kernel[(B, n_heads + n_kv_heads)](
+            qkv, qkv.stride(0), norm_w if norm_w is not None else qkv, cos, sin, cos.stride(0), pos, q_out,
+            k_dst, v_dst, sdb, sdt, eps, H=n_heads, HKV=n_kv_heads, DH=head_dim, QK_NORM=norm_w is not None,
+            num_warps=1,
+        )
+    return q_out
+
+
+def qkv_post_reference(qkv, pos, cos, sin, norm_w, n_heads, n_kv_heads, head_dim, eps):
+    """PyTorch `qkv_post` with the model's own ops (RMSNorm, apply_rope): returns q, k, v (B, *, Dh)."""
+    from tracerl.model.layers import apply_rope  # kernels never import model code at import time
+
+    B = qkv.shape[0]
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = q.view(B, 1, n_heads, head_dim)
+    k = k.view(B, 1, n_kv_heads, head_dim)
+    if norm_w is not None:
+        def norm(x, w):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return w.to(x.dtype) * h.to(x.dtype)
+        q, k = norm(q, norm_w[0]), norm(k, norm_w[1])
+    c, s = cos[pos.long()][:, None], sin[pos.long()][:, None]
+    return apply_rope(q, c, s)[:, 0], apply_rope(k, c, s)[:, 0], v.view(B, n_kv_heads, head_dim)
+
+
+@triton.jit
+def _kv_store_kernel(c_ptr, s_ptr, g_ptr, pos_ptr, cc_ptr, cs_ptr, cg_ptr,
+                     ckv, cb, ct, skv, sb, st, gkv, gb, gt,
+                     B, HKV: tl.constexpr, DH: tl.constexpr):
+    """Copy one quantized (kv, row, head) of the new token to the FP4 cache at column pos[row]."""
+    r = tl.program_id(0)
+    kv = (r // (B * HKV)).to(tl.int64)
+    b = ((r // HKV) % B).to(tl.int64)
+    h = r % HKV
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    j = tl.arange(0, DH // 2)
+    tl.store(cc_ptr + kv * ckv + b * cb + pos * ct + h * (DH // 2) + j, tl.load(c_ptr + r * (DH // 2) + j))
+    jb = tl.arange(0, DH // 16)
+    tl.store(cs_ptr + kv * skv + b * sb + pos * st + h * (DH // 16) + jb, tl.load(s_ptr + r * (DH // 16) + jb))
+    tl.store(cg_ptr + kv * gkv + b * gb + pos * gt + h, tl.load(g_ptr + r))
+
+
+def kv_store_fp4(q: fp4.FP4Tensor, pos: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 gscale: torch.Tensor) -> None:
+    """Write quantized new K and V, q of shape (2, B, Hkv, Dh) (per-row global scales), into one
+    layer of an FP4 cache: codes (2, slots, T, Hkv, Dh//2), scales (uint8, .., Dh//16), gscale
+    (.., 1) (FP4KVCache.codes[:, layer] etc.), row b at column pos[b]."""
+    _, B, HKV, DH = q.shape
+    if B:
+        _kv_store_kernel[(2 * B * HKV,)](
+            q.codes, q.scales.view(torch.uint8), q.global_scale, pos, codes, scales, gscale,
+            codes.stride(0), codes.stride(1), codes.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
+            gscale.stride(0), gscale.stride(1), gscale.stride(2), B, HKV=HKV, DH=DH, num_warps=1,
+        )

@@ -1,0 +1,559 @@
+"""FP4-weight GEMMs for decode: a grouped (MoE experts) GEMM and a dense linear, weights kept packed.
+
+Shape legend: R rows of A (tokens), N sorted (token, slot) rows, E experts, O / NOUT output
+features, K the reduction (input) dim. Weights are nn.Linear-shaped per expert, (E, O, K).
+
+Formats (DESIGN.md "FP4 conventions"; fp4.FP4Tensor):
+- W: NVFP4 codes uint8 (E, O, K//2) (element 2i low nibble), E4M3 block scales (E, O, K//16)
+  as uint8 bits, one float32 global scale per expert (E,): w = e2m1 * s8 / gs. Or BF16 (E, O, K).
+- A: BF16 (R, K) (w4a16), or NVFP4 with per-row global scales (w4a4): codes (R, K//2),
+  scales (R, K//16), gs (R,), as `kernels.quantize(x, per_row_global=True)` makes them.
+
+The kernel never writes weights back to memory in BF16. In registers each code becomes its exact
+E2M1 value in BF16 and is multiplied by its block's E4M3 scale: the product has at most 6
+significant bits, so it is exact in BF16 and the tensor-core dot (BF16 x BF16, float32
+accumulate) sees exactly c * s8. The per-expert 1/gs (and for FP4 activations the per-row 1/gs_a)
+is applied to the float32 accumulator in the epilogue. So the only differences from the exact
+product of the dequantized operands are float32 accumulation order and the final rounding; the
+engine's CPU path (fp4.dequantize to BF16, then a BF16 matmul) rounds c*s8/gs to BF16 first, so
+the two agree to BF16 rounding, not bit for bit (tests/test_gpu_kernels.py states the tolerances).
+
+The packed bytes are split into low / high nibbles instead of being interleaved: A's even columns
+meet the low nibbles and its odd columns the high ones (two dots of K/2), which needs no shuffle.
+On CUDA the nibble -> BF16 conversion is 4 codes per PTX snippet (prmt/and/shift, then one
+bf16x2 FMA by 2**126 per pair: the nibble's bits placed in a BF16 are e2m1 * 2**-126); the
+portable path (interpreter, fallback) builds float32 bits. `selfcheck()` compares both once.
+
+Grouped layout (model/moe.py): rows sorted by expert, `offsets` int32 (E,) cumulative ends. One
+program per (expert, BN output columns) loops over its expert's row tiles; experts with no rows
+exit at once and read no weights. Options:
+- gather (row_idx): A row of sorted row i is row_idx[i] (the token), so the sorted copy of the
+  activations is never written;
+- swiglu: the program computes gate columns j and up columns F + j of the fused (E, 2F, K) weight
+  and writes silu(gate) * up (each rounded to BF16 as the model's ops are): (N, F);
+- scatter (dst_idx, gate): row i is rounded to BF16, multiplied by gate[i] (float32) and written
+  as float32 to row dst_idx[i] (the token x slot pair), ready for the top-k sum.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tracerl import fp4
+from tracerl.kernels.fp4_quant import _e4m3_value
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The interpreter's BF16 arithmetic is broken (Triton 3.6: NaN products, wrong BF16 dots), so under
+# it the kernels compute in float32; every product here is exact in BF16, so the results agree.
+USE_ASM = not INTERPRET  # the PTX nibble conversion; `selfcheck` turns it off if it disagrees
+C_INTERPRET = tl.constexpr(INTERPRET)
+
+# 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
+_NIBBLES_TO_BF16 = """
+{
+.reg .b32 t0, t1, a, b, k, z;
+mov.b32 k, 0x7E807E80;
+mov.b32 z, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 a, t0, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t0, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 a, a, b;
+fma.rn.bf16x2 $0, a, k, z;
+and.b32 a, t1, 0x00070007;
+shl.b32 a, a, 6;
+and.b32 b, t1, 0x00080008;
+shl.b32 b, b, 12;
+or.b32 a, a, b;
+fma.rn.bf16x2 $1, a, k, z;
+and.b32 a, t0, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t0, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 a, a, b;
+fma.rn.bf16x2 $2, a, k, z;
+and.b32 a, t1, 0x00700070;
+shl.b32 a, a, 2;
+and.b32 b, t1, 0x00800080;
+shl.b32 b, b, 8;
+or.b32 a, a, b;
+fma.rn.bf16x2 $3, a, k, z;
+}
+"""
+
+
+# ----------------------------------------------------------------------------- register dequant
+
+
+@triton.jit
+def _bf16(x):
+    """float32 -> BF16 rounded to nearest even (the interpreter's cast truncates: round by bits there)."""
+    if C_INTERPRET:
+        b = x.to(tl.int32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        x = ((b >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _e2m1_f32(c):
+    """int32 E2M1 code (0..15) -> its float32 value, from the bits (no table, no division)."""
+    i = c & 7
+    mag = tl.where(i >= 2, (i + 252) << 22, tl.where(i == 1, 0x3F000000, 0))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibbles(p, ASM: tl.constexpr, F32: tl.constexpr):
+    """uint8 packed codes (any shape) -> (low, high) nibble values, exact, BF16 (float32 if F32)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_TO_BF16, "=r,=r,=r,=r,r", [p],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        c = p.to(tl.int32)
+        lo = _e2m1_f32(c & 15)
+        hi = _e2m1_f32(c >> 4)
+        if not F32:
+            lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _block_scales(s_bytes, R: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F32: tl.constexpr):
+    """uint8 E4M3 scale bytes (R, NB) -> BF16 (float32 if F32) (R, NB * W), each scale repeated W times."""
+    s = _e4m3_value(s_bytes.to(tl.int32))
+    if not F32:
+        s = s.to(tl.bfloat16)
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, NB, W)), (R, NB * W))
+
+
+@triton.jit
+def _fp4_tile(c_ptr, s_ptr, rows, rmask, sc, ss, k0, BK: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr,
+              F32: tl.constexpr):
+    """(even, odd) BF16 tiles (R, BK//2) of c * s8 for columns k0..k0+BK of packed rows `rows`."""
+    j = tl.arange(0, BK // 2)
+    p = tl.load(c_ptr + rows[:, None] * sc + (k0 // 2 + j)[None, :], mask=rmask[:, None], other=0)
+    jb = tl.arange(0, BK // 16)
+    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=rmask[:, None], other=0)
+    s = _block_scales(sb, R, BK // 16, 8, F32)
+    lo, hi = _nibbles(p, ASM, F32)
+    return lo * s, hi * s
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+
+
+@triton.jit(do_not_specialize=["NOUT"])
+def _grouped_gemm_kernel(
+    a_ptr, as_ptr, ag_ptr, sa, sas,
+    row_ptr,
+    w_ptr, ws_ptr, wg_ptr, swe, swn, sse, ssn,
+    offs_ptr,
+    out_ptr, so, dst_ptr, gate_ptr,
+    NOUT, K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
+    SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(NOUT, BN)
+    e = pid // n_tiles
+    n0 = (pid % n_tiles) * BN
+    start = tl.load(offs_ptr + tl.maximum(e - 1, 0))
+    start = tl.where(e > 0, start, 0)
+    end = tl.load(offs_ptr + e)
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < NOUT
+    wrow = tl.where(cmask, cols, 0).to(tl.int64)
+    w_e = w_ptr + e.to(tl.int64) * swe
+    ws_e = ws_ptr + e.to(tl.int64) * sse
+    if W_FP4:
+        inv_gw = 1.0 / tl.load(wg_ptr + e)
+    else:
+        inv_gw = 1.0
+    m0 = start
+    while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < end
+        if GATHER:
+            arow = tl.load(row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = tl.where(rmask, rows, 0).to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if W_FP4:
+                if A_FP4:
+                    a_ev, a_od = _fp4_tile(a_ptr, as_ptr, arow, rmask, sa, sas, k0, BK, BM, ASM, F32)
+                else:
+                    j = tl.arange(0, BK // 2)
+                    ap = a_ptr + arow[:, None] * sa + (k0 + 2 * j)[None, :]
+                    a_ev = tl.load(ap, mask=rmask[:, None], other=0.0)
+                    a_od = tl.load(ap + 1, mask=rmask[:, None], other=0.0)
+                    if F32:
+                        a_ev, a_od = a_ev.to(tl.float32), a_od.to(tl.float32)
+                w_ev, w_od = _fp4_tile(w_e, ws_e, wrow, cmask, swn, ssn, k0, BK, BN, ASM, F32)
+                acc = tl.dot(a_ev, tl.trans(w_ev), acc)
+                acc = tl.dot(a_od, tl.trans(w_od), acc)
+                if SWIGLU:
+                    u_ev, u_od = _fp4_tile(w_e, ws_e, wrow + NOUT, cmask, swn, ssn, k0, BK, BN, ASM, F32)
+                    acc2 = tl.dot(a_ev, tl.trans(u_ev), acc2)
+                    acc2 = tl.dot(a_od, tl.trans(u_od), acc2)
+            else:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(a_ptr + arow[:, None] * sa + kk[None, :], mask=rmask[:, None], other=0.0)
+                wt = tl.load(w_e + wrow[:, None] * swn + kk[None, :], mask=cmask[:, None], other=0.0)
+                if F32:
+                    a, wt = a.to(tl.float32), wt.to(tl.float32)
+                acc = tl.dot(a, tl.trans(wt), acc)
+                if SWIGLU:
+                    ut = tl.load(w_e + (wrow + NOUT)[:, None] * swn + kk[None, :], mask=cmask[:, None], other=0.0)
+                    if F32:
+                        ut = ut.to(tl.float32)
+                    acc2 = tl.dot(a, tl.trans(ut), acc2)
+        scale = tl.zeros((BM,), dtype=tl.float32) + inv_gw
+        if A_FP4:
+            scale = scale / tl.load(ag_ptr + arow, mask=rmask, other=1.0)
+        acc = acc * scale[:, None]
+        omask = rmask[:, None] & cmask[None, :]
+        if SWIGLU:
+            g = _bf16(acc).to(tl.float32)
+            u = _bf16(acc2 * scale[:, None]).to(tl.float32)
+            sg = _bf16(g / (1.0 + tl.exp(-g))).to(tl.float32)
+            y = sg * u
+        elif SCATTER:
+            gw = tl.load(gate_ptr + rows, mask=rmask, other=0.0)
+            y = _bf16(acc).to(tl.float32) * gw[:, None]
+        else:
+            y = acc
+        if SCATTER:
+            orow = tl.load(dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            orow = rows.to(tl.int64)
+        optr = out_ptr + orow[:, None] * so + cols[None, :]
+        if OUT_F32:
+            tl.store(optr, y, mask=omask)
+        else:
+            tl.store(optr, _bf16(y), mask=omask)
+        m0 += BM
+
+
+def _pick_bm(rows_per_group: float) -> int:
+    """Row tile: 16 up to ~16 rows per expert (decode), larger when groups are large."""
+    if rows_per_group <= 16:
+        return 16
+    if rows_per_group <= 40:
+        return 32
+    return 64
+
+
+def grouped_gemm(
+    a: torch.Tensor | fp4.FP4Tensor,
+    w: torch.Tensor | fp4.FP4Tensor,
+    offsets: torch.Tensor,
+    *,
+    row_idx: torch.Tensor | None = None,
+    swiglu: bool = False,
+    dst_idx: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    n_rows: int | None = None,
+    out_f32: bool = False,
+    rows_per_group: float | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM of sorted rows against per-expert weights (see the module docstring).
+
+    a: BF16 (R, K) or an NVFP4 FP4Tensor with per-row global scales (R, K). w: BF16 (E, O, K) or
+    an NVFP4 FP4Tensor (E, O, K) with global scale (E,) / (E, 1, 1). offsets: int32 (E,).
+    n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
+    with dst_idx/gate the float32 `out` it scattered into. config = (BM, BN, BK, num_warps).
+    """
+    w_fp4 = isinstance(w, fp4.FP4Tensor)
+    a_fp4 = isinstance(a, fp4.FP4Tensor)
+    if a_fp4 and not w_fp4:
+        raise ValueError("FP4 activations need FP4 weights (the w4a4 recipe)")
+    E, O, K = w.shape
+    if w_fp4:
+        if w.fmt != "nvfp4":
+            raise ValueError("grouped_gemm takes NVFP4 weights (blocks of 16, E4M3 scales)")
+        wc = w.codes
+        ws = w.scales.view(torch.uint8)
+        wg = w.global_scale.reshape(E).to(torch.float32).contiguous()
+        if wc.stride(-1) != 1 or ws.stride(-1) != 1:
+            raise ValueError("weight codes and scales need a unit stride along K")
+        swe, swn, sse, ssn = wc.stride(0), wc.stride(1), ws.stride(0), ws.stride(1)
+    else:
+        wc, ws, wg = w, w, w
+        if w.stride(-1) != 1:
+            raise ValueError("BF16 weights need a unit stride along K")
+        swe, swn, sse, ssn = w.stride(0), w.stride(1), 0, 0
+    if a_fp4:
+        ac = a.codes.reshape(-1, K // 2)
+        asc = a.scales.view(torch.uint8).reshape(-1, K // 16)
+        ag = a.global_scale.reshape(-1).to(torch.float32)
+        sa, sas = ac.stride(0), asc.stride(0)
+    else:
+        if a.dtype != torch.bfloat16 or a.shape[-1] != K or a.stride(-1) != 1:
+            raise ValueError(f"a must be BF16 (R, {K}) with unit stride, got {a.dtype} {tuple(a.shape)}")
+        ac, asc, ag, sa, sas = a, a, a, a.stride(0), 0
+    R = ac.shape[0]
+    N = n_rows if n_rows is not None else (row_idx.numel() if row_idx is not None else R)
+    NOUT = O // 2 if swiglu else O
+    scatter = dst_idx is not None
+    if scatter:
+        if gate is None or out is None or out.dtype != torch.float32:
+            raise ValueError("scatter needs gate (N,) float32 and a float32 `out`")
+        out_f32 = True
+    elif out is None:
+        out = torch.empty(N, NOUT, device=ac.device, dtype=torch.float32 if out_f32 else torch.bfloat16)
+    if rows_per_group is None:
+        rows_per_group = N / max(E, 1)
+    bm, bn, bk, nw = config or (_pick_bm(rows_per_group), 64, 128 if K % 128 == 0 else 64, 4)
+    if K % bk or K % 16:
+        raise ValueError(f"K={K} must be a multiple of the K tile {bk}")
+    dummy = offsets
+    grid = (E * triton.cdiv(NOUT, bn),)
+    _grouped_gemm_kernel[grid](
+        ac, asc, ag, sa, sas,
+        row_idx if row_idx is not None else dummy,
+        wc, ws, wg, swe, swn, sse, ssn,
+        offsets,
+        out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
+        NOUT, K,
+        BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
+        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, num_warps=nw, num_stages=3,
+    )
+    return out
+
+
+def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor, out_f32: bool = False) -> torch.Tensor:
+    """Dense y = x @ w.T with w NVFP4 (O, K) kept packed (one group); x BF16 (M, K) or NVFP4 per row."""
+    w3 = w
+    if isinstance(w, fp4.FP4Tensor):
+        O, K = w.shape
+        w3 = fp4.FP4Tensor(w.codes.reshape(1, O, K // 2), w.scales.reshape(1, O, K // 16),
+                           w.global_scale.reshape(1), w.fmt, torch.Size((1, O, K)))
+    else:
+        w3 = w.unsqueeze(0)
+    M = x.shape[0]
+    dev = x.codes.device if isinstance(x, fp4.FP4Tensor) else x.device
+    offsets = torch.full((1,), M, dtype=torch.int32, device=dev)
+    return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def exact_values(q: fp4.FP4Tensor) -> torch.Tensor:
+    """float32 c * s8 (the block-scaled code, without the global scale): what the kernel dots."""
+    codes = fp4.unpack_codes(q).to(torch.int64)
+    vals = fp4.E2M1_VALUES.to(codes.device)[codes]
+    s = q.scales.to(torch.float32)
+    return (vals.reshape(*vals.shape[:-1], -1, 16) * s.unsqueeze(-1)).reshape(vals.shape)
+
+
+def grouped_gemm_reference(
+    a: torch.Tensor | fp4.FP4Tensor,
+    w: torch.Tensor | fp4.FP4Tensor,
+    offsets: torch.Tensor,
+    *,
+    row_idx: torch.Tensor | None = None,
+    swiglu: bool = False,
+    dst_idx: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    n_rows: int | None = None,
+    out_f32: bool = False,
+) -> torch.Tensor:
+    """PyTorch `grouped_gemm`: the same math in float64 (products exact), the same epilogue roundings."""
+    if isinstance(w, fp4.FP4Tensor):
+        E = w.shape[0]
+        wv = exact_values(w).double() / w.global_scale.reshape(E, 1, 1).double()
+    else:
+        wv = w.double()
+    if isinstance(a, fp4.FP4Tensor):
+        K = a.shape[-1]
+        av = exact_values(a).reshape(-1, K).double() / a.global_scale.reshape(-1, 1).double()
+    else:
+        av = a.double()
+    if row_idx is not None:
+        av = av[row_idx.long()]
+    N = n_rows if n_rows is not None else av.shape[0]
+    av = av[:N]
+    ends = offsets.long().tolist()
+    starts = [0] + ends[:-1]
+    O = wv.shape[1]
+    acc = torch.zeros(N, O, dtype=torch.float64, device=av.device)
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if t > s:
+            acc[s:t] = av[s:t] @ wv[e].T
+    acc = acc.float()
+    if swiglu:
+        F_ = O // 2
+        g = acc[:, :F_].to(torch.bfloat16)
+        u = acc[:, F_:].to(torch.bfloat16)
+        return torch.nn.functional.silu(g) * u
+    if dst_idx is not None:
+        y = acc.to(torch.bfloat16).float() * gate.float()[:, None]
+        out[dst_idx.long()] = y
+        return out
+    return acc if out_f32 else acc.to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- self-check
+
+
+def selfcheck(device: torch.device | str = "cuda") -> str:
+    """Run the PTX nibble path against the portable one once on `device`; disable it if they differ.
+
+    Returns a short status line ('asm ok', 'asm off: <reason>', 'portable (interpreter)').
+    """
+    global USE_ASM
+    if INTERPRET:
+        return "portable (interpreter)"
+    if not USE_ASM:
+        return "asm off"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    E, O, K, R = 3, 64, 256, 40
+    w = fp4.quantize(torch.randn(E, O, K, generator=g), "nvfp4", global_scale=torch.ones(E, 1, 1))
+    w = fp4.FP4Tensor(w.codes.to(device), w.scales.to(device), torch.ones(E, device=device), "nvfp4", w.shape)
+    a = torch.randn(R, K, generator=g).to(device=device, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 25, 40], dtype=torch.int32, device=device)
+    try:
+        y_asm = grouped_gemm(a, w, offs, out_f32=True)
+        USE_ASM = False
+        y_ref = grouped_gemm(a, w, offs, out_f32=True)
+    except Exception as e:  # a PTX or lowering error: keep the portable path
+        USE_ASM = False
+        return f"asm off: {type(e).__name__}: {str(e)[:200]}"
+    if torch.equal(y_asm, y_ref):
+        USE_ASM = True
+        return "asm ok"
+    return f"asm off: differs from the portable path (max abs diff {(y_asm - y_ref).abs().max().item():.3g})"
+
+
+# ----------------------------------------------------------------------------- routing and dispatch
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, gate_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                  NORM: tl.constexpr):
+    """One token: softmax over E router logits (float32), top-K by repeated argmax, gate weights."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    lg = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"))
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)
+    total = 0.0
+    for k in tl.static_range(K):
+        i = tl.argmax(p, axis=0)
+        v = tl.max(p, axis=0)
+        tl.store(ids_ptr + t * K + k, i.to(tl.int32))
+        tl.store(gate_ptr + t * K + k, v)
+        total += v
+        p = tl.where(e == i, -1.0, p)
+    if NORM:
+        kk = tl.arange(0, K)
+        g = tl.load(gate_ptr + t * K + kk)
+        tl.store(gate_ptr + t * K + kk, g / total)
+
+
+@triton.jit
+def _dispatch_kernel(ids_ptr, gate_ptr, offs_ptr, tok_ptr, pair_ptr, gsort_ptr, N, NCH,
+                     K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, C: tl.constexpr):
+    """Sort (token, slot) pairs by expert, stably; program p places chunk p of C pairs.
+
+    Every program histograms all chunks (cheap), so it knows each expert's start and how many
+    of its pairs earlier chunks hold; within the chunk the rank comes from a one-hot cumsum.
+    """
+    p = tl.program_id(0)
+    er = tl.arange(0, EP)
+    tot = tl.zeros((EP,), tl.int32)
+    before = tl.zeros((EP,), tl.int32)
+    c = 0
+    while c < NCH:  # (the interpreter cannot range() over runtime bounds)
+        i = c * C + tl.arange(0, C)
+        m = i < N
+        ids = tl.load(ids_ptr + i, mask=m, other=0)
+        h = tl.histogram(ids, EP, mask=m)
+        tot += h
+        before += h * (c < p).to(tl.int32)
+        c += 1
+    ends = tl.cumsum(tot, axis=0)
+    if p == 0:
+        tl.store(offs_ptr + er, ends, mask=er < E)
+    i = p * C + tl.arange(0, C)
+    m = i < N
+    ids = tl.load(ids_ptr + i, mask=m, other=0)
+    onehot = ((ids[:, None] == er[None, :]) & m[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    base = tl.sum(onehot * (ends - tot + before)[None, :], axis=1)
+    dst = base + rank
+    tl.store(tok_ptr + dst, i // K, mask=m)
+    tl.store(pair_ptr + dst, i, mask=m)
+    tl.store(gsort_ptr + dst, tl.load(gate_ptr + i, mask=m, other=0.0), mask=m)
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int32 (T, K), gate weights float32 (T, K)) from router logits float32 (T, E).
+
+    Experts by the top-k of softmax(logits), in descending order (as torch.topk); gates are those
+    probabilities, renormalised to sum 1 when norm_topk_prob (model/moe.py `gate_weights`).
+    """
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    gates = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits.contiguous(), ids, gates, E=E, EP=triton.next_power_of_2(E), K=top_k,
+                            NORM=norm_topk_prob, num_warps=4)
+    return ids, gates
+
+
+def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: torch.Tensor | None = None):
+    """Group (token, slot) pairs by expert: (offsets int32 (E,), token of each sorted row int32 (N,),
+    pair index t*K+k of each sorted row int32 (N,), gate of each sorted row float32 (N,)).
+
+    Stable (pairs of one expert keep their order), like argsort(stable=True) in model/moe.py.
+    `offsets` may be a preallocated (E,) int32 view (e.g. one row of a per-layer record).
+    """
+    T, K = ids.shape
+    N = T * K
+    dev = ids.device
+    if offsets is None:
+        offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    tok = torch.empty(N, dtype=torch.int32, device=dev)
+    pair = torch.empty(N, dtype=torch.int32, device=dev)
+    gsort = torch.empty(N, dtype=torch.float32, device=dev)
+    C = 64 if N <= 4096 else (128 if N <= 16384 else 256)
+    nch = triton.cdiv(N, C)
+    if N:
+        _dispatch_kernel[(nch,)](ids.reshape(-1), gates.reshape(-1), offsets, tok, pair, gsort, N, nch,
+                                 K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C,
+                                 num_warps=4 if C <= 64 else 8)
+    return offsets, tok, pair, gsort
+
+
+def route_reference(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+    """PyTorch `route` (model/moe.py's rule)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    vals, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        vals = vals / vals.sum(-1, keepdim=True)
+    return ids.to(torch.int32), vals
+
+
+def dispatch_reference(ids: torch.Tensor, gates: torch.Tensor, num_experts: int):
+    """PyTorch `dispatch`: stable argsort by expert, as model/moe.py does."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    K = ids.shape[1]
+    return offsets, (order // K).to(torch.int32), order.to(torch.int32), gates.reshape(-1)[order].float()
