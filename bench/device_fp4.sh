@@ -12,6 +12,6 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 330 python3 -m pytest tests/test_kernels.py -p no:cacheprovider -o addopts="" -q -rfE \
+timeout 380 python3 -m pytest tests/test_kernels.py -p no:cacheprovider -o addopts="" -q -rfE \
   --maxfail=30 --durations=15 2>&1 | tee "$OUT/kernels_test.log"
-timeout 240 python3 bench/fp4_quant.py --out "$OUT/fp4_quant.json" 2>&1 | tee "$OUT/fp4_quant.log"
+timeout 200 python3 bench/fp4_quant.py --out "$OUT/fp4_quant.json" 2>&1 | tee "$OUT/fp4_quant.log"
