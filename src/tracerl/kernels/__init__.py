@@ -17,11 +17,15 @@ Accepted guides (`fp4.RoundingGuide`, or anything with `.rounding_guide()`), fie
 - mask: bool (..., K), or uint8 (..., K//8) packed bits (1 = follow the record).
 - scales / global_scale: as FP4Tensor.scales (float8, (..., K//block)) and its global scale
   (float32, one value or one per row) on the tensor's device.
-Packed bits: bit i (1 << i) of byte j belongs to element 8j+i of the row.
+Packed bits: bit i (1 << i) of byte j belongs to element 8j+i of the row (as
+`guidance.pack_bits`, so a GuidanceRecord's `codes` / `lsb` fields can be passed as they are:
+`RoundingGuide(bit=rec.lsb, scales=rec.scales, global_scale=rec.global_scale)`).
 
 Differences of the Triton path from the reference: no host-synchronising finiteness check unless
-`check_finite=True` (non-finite inputs give garbage instead of an error); rounding='stochastic'
-and mx_rule='floor' run the reference.
+`check_finite=True` (non-finite inputs give garbage instead of an error); NaN scale bytes (E8M0
+0xFF, E4M3 0x7F) are not reproduced; rounding='stochastic', mx_rule='floor' and dtypes other than
+float32/bfloat16/float16 run the reference. Triton kernels, numerics and layouts:
+kernels/fp4_quant.py and kernels/fp4_numerics.py.
 """
 
 from __future__ import annotations
