@@ -9,7 +9,9 @@ blocks) and repeats the last (parts) in registers, so each thread holds whole FP
 maxima and scales need no shuffles and no thread repeats another's per-block work. The two (or
 four) 16-byte loads of a block's parts are merged by L1.
 
-NVFP4 tiles take the FMA-division path unless a block is out of its exact range (tiny or huge
+Kernels are compiled with enable_fp_fusion=False: every FMA the numerics need is an explicit
+tl.fma, and a contracted `x * s + 0.0` would keep the -0.0 of an underflowed negative product
+(the reference's sign test sees +0). NVFP4 tiles take the FMA-division path unless a block is out of its exact range (tiny or huge
 scales, saturation, or a nonzero |x| < 2**-89); such a tile redoes the division with div.rn.
 Known differences from the reference: non-finite inputs are not rejected (no host sync; the
 public wrapper has `check_finite=True`); NaN E8M0/E4M3 scale bytes are not reproduced.
@@ -483,7 +485,7 @@ def quantize(
             M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr,
             IN_DTYPE=in_code, NV=spec.has_global_scale, GS=gs_mode, GUIDE_SCALES=guide_scales,
             ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
-            BM=bm, NB=bk // B, B=B, num_warps=nw,
+            BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
         )
     q = fp4.FP4Tensor(codes=codes.reshape(*lead, K // 2), scales=scales_ret, global_scale=gs_ret,
                       fmt=fmt, shape=shape)
@@ -531,6 +533,6 @@ def dequantize(q: fp4.FP4Tensor, dtype: torch.dtype = torch.bfloat16,
     if M > 0:
         _dequant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
             codes, scales, gs, out, M, K, codes.stride(0), scales.stride(0), sg, out.stride(0),
-            NV=spec.has_global_scale, FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw,
+            NV=spec.has_global_scale, FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
         )
     return out.reshape(shape)
