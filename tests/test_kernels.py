@@ -235,6 +235,10 @@ def check_probes(fq, device) -> None:
     codes = torch.arange(16, dtype=torch.int32)
     assert_bits_equal(fq.probe("e2m1_magnitude", codes.to(device)).cpu(), fp4.E2M1_MAGNITUDES[codes % 8].view(torch.int32),
                       "e2m1 magnitude")
+    byte = torch.arange(256, dtype=torch.int32)
+    lo, hi = fp4.E2M1_VALUES[byte & 15], fp4.E2M1_VALUES[byte >> 4]
+    want = (hi.view(torch.int32) & -65536) | ((lo.view(torch.int32) >> 16) & 65535)
+    assert_bits_equal(fq.probe("e2m1_decode_bytes", byte.to(device)).cpu(), want, "e2m1 byte decode")
     t = torch.cat([torch.tensor([0.0, -0.0, 2.0 ** -89, -(2.0 ** -89), 1e-45, 1e-30, 3e38, -3e38, 1.0]),
                    _with_neighbours(torch.tensor([2.0 ** -89]))])
     assert_bits_equal(fq.probe("tiny_nonzero", t.to(device)).cpu(), ((t.abs() > 0) & (t.abs() < 2.0 ** -89)).int(),

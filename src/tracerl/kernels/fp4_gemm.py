@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels.fp4_quant import _e4m3_value
+from tracerl.kernels.fp4_numerics import _e4m3_value
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter's BF16 arithmetic is broken (Triton 3.6: NaN products, wrong BF16 dots), so under
@@ -53,7 +53,7 @@ USE_ASM = not INTERPRET  # the PTX nibble conversion; `selfcheck` turns it off i
 C_INTERPRET = tl.constexpr(INTERPRET)
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
-_NIBBLES_TO_BF16 = """
+_NIBBLES_TO_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, a, b, k, z;
 mov.b32 k, 0x7E807E80;
@@ -85,7 +85,7 @@ shl.b32 b, b, 8;
 or.b32 a, a, b;
 fma.rn.bf16x2 $3, a, k, z;
 }
-"""
+""")
 
 
 # ----------------------------------------------------------------------------- register dequant
@@ -154,37 +154,34 @@ def _grouped_gemm_kernel(
     a_ptr, as_ptr, ag_ptr, sa, sas,
     row_ptr,
     w_ptr, ws_ptr, wg_ptr, swe, swn, sse, ssn,
-    offs_ptr,
+    offs_ptr, te_ptr, tm_ptr,
     out_ptr, so, dst_ptr, gate_ptr,
     NOUT, K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(NOUT, BN)
-    e = pid // n_tiles
-    n0 = (pid % n_tiles) * BN
-    start = tl.load(offs_ptr + tl.maximum(e - 1, 0))
-    start = tl.where(e > 0, start, 0)
-    end = tl.load(offs_ptr + e)
+    n0 = tl.program_id(0) * BN
+    t = tl.program_id(1)
+    e = tl.load(te_ptr + t)  # this program's (expert, row tile) from `row_tiles`; -1: no work
+    m0 = tl.load(tm_ptr + t)
+    end = tl.load(offs_ptr + tl.maximum(e, 0))
     cols = n0 + tl.arange(0, BN)
     cmask = cols < NOUT
-    wrow = tl.where(cmask, cols, 0).to(tl.int64)
+    wrow = tl.where(cmask, cols, 0)  # int32 offsets inside one expert (64-bit pointers per element cost registers)
     w_e = w_ptr + e.to(tl.int64) * swe
     ws_e = ws_ptr + e.to(tl.int64) * sse
     if W_FP4:
         inv_gw = 1.0 / tl.load(wg_ptr + e)
     else:
         inv_gw = 1.0
-    m0 = start
-    while m0 < end:  # a while loop: the interpreter cannot range() over loaded bounds
+    if e >= 0:
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
         if GATHER:
-            arow = tl.load(row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            arow = tl.load(row_ptr + rows, mask=rmask, other=0)
         else:
-            arow = tl.where(rmask, rows, 0).to(tl.int64)
+            arow = tl.where(rmask, rows, 0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -192,12 +189,11 @@ def _grouped_gemm_kernel(
                 if A_FP4:
                     a_ev, a_od = _fp4_tile(a_ptr, as_ptr, arow, rmask, sa, sas, k0, BK, BM, ASM, F32)
                 else:
-                    j = tl.arange(0, BK // 2)
-                    ap = a_ptr + arow[:, None] * sa + (k0 + 2 * j)[None, :]
-                    a_ev = tl.load(ap, mask=rmask[:, None], other=0.0)
-                    a_od = tl.load(ap + 1, mask=rmask[:, None], other=0.0)
+                    kk = k0 + tl.arange(0, BK)
+                    a = tl.load(a_ptr + arow[:, None] * sa + kk[None, :], mask=rmask[:, None], other=0.0)
                     if F32:
-                        a_ev, a_od = a_ev.to(tl.float32), a_od.to(tl.float32)
+                        a = a.to(tl.float32)
+                    a_ev, a_od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
                 w_ev, w_od = _fp4_tile(w_e, ws_e, wrow, cmask, swn, ssn, k0, BK, BN, ASM, F32)
                 acc = tl.dot(a_ev, tl.trans(w_ev), acc)
                 acc = tl.dot(a_od, tl.trans(w_od), acc)
@@ -233,19 +229,62 @@ def _grouped_gemm_kernel(
         else:
             y = acc
         if SCATTER:
-            orow = tl.load(dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            orow = tl.load(dst_ptr + rows, mask=rmask, other=0)
         else:
-            orow = rows.to(tl.int64)
+            orow = rows
         optr = out_ptr + orow[:, None] * so + cols[None, :]
         if OUT_F32:
             tl.store(optr, y, mask=omask)
         else:
             tl.store(optr, _bf16(y), mask=omask)
-        m0 += BM
 
 
-def _pick_bm(rows_per_group: float) -> int:
-    """Row tile: 16 up to ~16 rows per expert (decode), larger when groups are large."""
+@triton.jit
+def _tiles_kernel(offs_ptr, te_ptr, tm_ptr, MAXT, E: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr,
+                  BM: tl.constexpr):
+    """List the (expert, first row) of every BM-row tile of every non-empty group; -1 past the end."""
+    er = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + er, mask=er < E, other=0)
+    ends = tl.where(er < E, ends, tl.max(ends, axis=0))
+    starts = tl.where(er > 0, tl.load(offs_ptr + er - 1, mask=(er > 0) & (er < E), other=0), 0)
+    starts = tl.where(er < E, starts, ends)
+    nt = (ends - starts + BM - 1) // BM
+    tend = tl.cumsum(nt, axis=0)
+    t = tl.arange(0, TP)
+    e = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # first expert whose tiles end past t
+    ec = tl.minimum(e, E - 1)
+    onehot = (er[None, :] == ec[:, None]).to(tl.int32)
+    tstart = tl.sum(onehot * (tend - nt)[None, :], axis=1)
+    m0 = tl.sum(onehot * starts[None, :], axis=1) + (t - tstart) * BM
+    valid = e < E
+    tl.store(te_ptr + t, tl.where(valid, e, -1), mask=t < MAXT)
+    tl.store(tm_ptr + t, tl.where(valid, m0, 0), mask=t < MAXT)
+
+
+def max_row_tiles(num_experts: int, n_rows: int, bm: int) -> int:
+    """Static bound on the row tiles of `n_rows` rows in `num_experts` groups."""
+    return min(num_experts, n_rows) + triton.cdiv(n_rows, bm)
+
+
+def row_tiles(offsets: torch.Tensor, bm: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert int32 (max_tiles,), first row int32 (max_tiles,)) of the BM-row tiles of the groups
+    `offsets` delimits, in expert order; entries past the last tile have expert -1. On the device,
+    no host sync (so a CUDA graph can hold it); `max_tiles` from `max_row_tiles`."""
+    E = offsets.numel()
+    te = torch.empty(max_tiles, dtype=torch.int32, device=offsets.device)
+    tm = torch.empty(max_tiles, dtype=torch.int32, device=offsets.device)
+    tp = triton.next_power_of_2(max_tiles)
+    _tiles_kernel[(1,)](offsets, te, tm, max_tiles, E=E, EP=triton.next_power_of_2(E), TP=tp, BM=bm,
+                        num_warps=4 if tp * E <= 16384 else 8)
+    return te, tm
+
+
+# (w_fp4, a_fp4, swiglu) -> (BN, BK, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro)
+TUNED: dict[tuple[bool, bool, bool], tuple[int, int, int]] = {}
+
+
+def pick_bm(rows_per_group: float) -> int:
+    """Row tile from the mean rows per expert: 16 at decode batches, larger when groups are large."""
     if rows_per_group <= 16:
         return 16
     if rows_per_group <= 40:
@@ -266,6 +305,7 @@ def grouped_gemm(
     n_rows: int | None = None,
     out_f32: bool = False,
     rows_per_group: float | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM of sorted rows against per-expert weights (see the module docstring).
@@ -273,7 +313,9 @@ def grouped_gemm(
     a: BF16 (R, K) or an NVFP4 FP4Tensor with per-row global scales (R, K). w: BF16 (E, O, K) or
     an NVFP4 FP4Tensor (E, O, K) with global scale (E,) / (E, 1, 1). offsets: int32 (E,).
     n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
-    with dst_idx/gate the float32 `out` it scattered into. config = (BM, BN, BK, num_warps).
+    with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
+    `row_tiles` (made here if None; a decoder makes them once per layer for both GEMMs).
+    config = (BM, BN, BK, num_warps) (default: `pick_bm`, then TUNED or (64, 128, 4)).
     """
     w_fp4 = isinstance(w, fp4.FP4Tensor)
     a_fp4 = isinstance(a, fp4.FP4Tensor)
@@ -315,16 +357,23 @@ def grouped_gemm(
         out = torch.empty(N, NOUT, device=ac.device, dtype=torch.float32 if out_f32 else torch.bfloat16)
     if rows_per_group is None:
         rows_per_group = N / max(E, 1)
-    bm, bn, bk, nw = config or (_pick_bm(rows_per_group), 64, 128 if K % 128 == 0 else 64, 4)
+    if config is None:
+        bn, bk, nw = TUNED.get((w_fp4, a_fp4, swiglu), (64, 128, 4))
+        bm = tiles[2] if tiles is not None else pick_bm(rows_per_group)
+        bk = bk if K % bk == 0 else 64
+    else:
+        bm, bn, bk, nw = config
     if K % bk or K % 16:
         raise ValueError(f"K={K} must be a multiple of the K tile {bk}")
+    if tiles is None or tiles[2] != bm:
+        tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     dummy = offsets
-    grid = (E * triton.cdiv(NOUT, bn),)
+    grid = (triton.cdiv(NOUT, bn), tiles[0].numel())
     _grouped_gemm_kernel[grid](
         ac, asc, ag, sa, sas,
         row_idx if row_idx is not None else dummy,
         wc, ws, wg, swe, swn, sse, ssn,
-        offsets,
+        offsets, tiles[0], tiles[1],
         out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,

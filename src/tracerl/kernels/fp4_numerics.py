@@ -192,6 +192,36 @@ def _e2m1_magnitude(code):
     return tl.maximum(tl.maximum(f * 0.5, f - 2.0), f * 2.0 - 8.0)
 
 
+@triton.jit
+def _floor_div(n, inv_d: tl.constexpr, off: tl.constexpr):
+    """floor(n / d) of small non-negative integers n (fp32), as fp32: n/d - off rounds to it
+    (off = (d - 1) / (2d) keeps the fraction inside (-1/2, 1/2)), by the 1.5 * 2**23 shift
+    (the sum stays in [2**23, 2**24), where the spacing is 1, also for negative n/d - off)."""
+    return (tl.fma(n, inv_d, -off) + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _e2m1_decode_bytes(p):
+    """Packed code bytes (int32 0..255) -> (low, high) E2M1 values as fp32, by fp32 arithmetic.
+
+    Dequantization is bound by compare/logic throughput otherwise: here each byte costs one
+    logic op, the rest are fp32 adds/multiplies (sign: -0.0 for code 8, as the reference).
+    """
+    fp = _f32(p | 0x4B000000) - C_2P23  # the byte as fp32
+    hi = _floor_div(fp, 0.0625, 0.46875)
+    lo = tl.fma(hi, -16.0, fp)
+    return _e2m1_nibble_value(lo), _e2m1_nibble_value(hi)
+
+
+@triton.jit
+def _e2m1_nibble_value(n):
+    """E2M1 value of a code 0..15 given as fp32: sign n >= 8, index n mod 8."""
+    s = _floor_div(n, 0.125, 0.4375)
+    i = tl.fma(s, -8.0, n)
+    mag = tl.maximum(tl.maximum(i * 0.5, i - 2.0), tl.fma(i, 2.0, -8.0))
+    return mag * tl.fma(s, -2.0, 1.0)
+
+
 # ----------------------------------------------------------------------------- probe (tests)
 
 
@@ -228,14 +258,18 @@ def _probe_kernel(in_ptr, in2_ptr, out_ptr, N, WHAT: tl.constexpr, IN_DTYPE: tl.
         r = _bits(tl.math.div_rn(v, w))
     elif WHAT == 11:
         r = _bits(_e2m1_magnitude(v))
-    else:
+    elif WHAT == 13:
+        lo, hi = _e2m1_decode_bytes(v)
+        r = (_bits(hi) & -65536) | ((_bits(lo) >> 16) & 65535)  # both values have <= 3 significant bits
+
+    elif WHAT == 12:
         r = (_tiny_nonzero(tl.abs(v)) > 0.0).to(tl.int32)
     tl.store(out_ptr + offs, r, mask=m)
 
 
 PROBES = {"rtn": 0, "neighbours": 1, "e4m3": 2, "bf16": 3, "e4m3_value": 4, "global_scale": 5,
           "mx_scale": 6, "mx_mult": 7, "mx_inv_mult": 8, "div_fast": 9, "div_rn": 10, "e2m1_magnitude": 11,
-          "tiny_nonzero": 12}
+          "tiny_nonzero": 12, "e2m1_decode_bytes": 13}
 
 
 def probe(what: str, values: torch.Tensor, in_dtype: torch.dtype = torch.float32,

@@ -30,7 +30,7 @@ from tracerl.kernels.fp4_numerics import (
     DTYPE_CODE,
     _bits,
     _div_fast,
-    _e2m1_magnitude,
+    _e2m1_decode_bytes,
     _e4m3_value,
     _f32,
     _global_scale,
@@ -289,7 +289,8 @@ def _dequant_kernel(
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     c0 = tl.program_id(1) * BK
     c_offs, c_mask = _offs(rows, c0, sc, M, K, P, NB, B, 2)
-    code = _unpack_nibbles(tl.load(codes_ptr + c_offs, mask=c_mask, other=0))
+    lo, hi = _e2m1_decode_bytes(tl.load(codes_ptr + c_offs, mask=c_mask, other=0).to(tl.int32))
+    e2m1 = tl.reshape(tl.join(lo, hi), (BM, NB, P, 8))  # signed E2M1 values, fp32
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_mask = (rows[:, None] < M) & (s_cols < K // B)
     sbyte = tl.load(scales_ptr + rows.to(tl.int64)[:, None] * ss + s_cols, mask=s_mask, other=0x20)
@@ -309,8 +310,7 @@ def _dequant_kernel(
             mult = tl.math.div_rn(s8, gs[:, None])
     else:
         mult = _mx_mult(sbyte)
-    # the sign by bit (Triton's unary minus is 0 - x and would turn -0.0 into +0.0)
-    val = _f32(_bits(_e2m1_magnitude(code) * mult[:, :, None, None]) | ((code & 8) << 28))
+    val = e2m1 * mult[:, :, None, None]  # exact sign: (+-mag) * mult rounds like +-(mag * mult)
     o_offs, o_mask = _offs(rows, c0, so, M, K, P, NB, B, 1)
     tl.store(out_ptr + o_offs, val.to(out_ptr.dtype.element_ty), mask=o_mask)
 
