@@ -4,10 +4,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from fp4_refs import ct_mxfp4, ct_nvfp4
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fp4_refs import ct_mxfp4, ct_nvfp4
 from tracerl import fp4
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -76,16 +76,20 @@ def test_tis_truncates_and_mis_masks():
 
 
 def test_mismatch_metrics_by_hand():
-    train = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
-    roll = torch.log(torch.tensor([[0.25, 0.2, 0.1]]))
+    train = torch.log(torch.tensor([[0.38, 0.2, 0.9]]))
+    roll = torch.log(torch.tensor([[0.2, 0.2, 0.1]]))
     mask = torch.tensor([[True, True, False]])
     m = mismatch_metrics(train, roll, mask)
-    r = torch.tensor([2.0, 1.0])
+    r = torch.tensor([1.9, 1.0], dtype=torch.float64)
     assert m["mismatch/kl_k3"] == pytest.approx(float((r - 1 - r.log()).mean()), rel=1e-5)
-    assert m["mismatch/logp_abs_diff_mean"] == pytest.approx(math.log(2) / 2, rel=1e-5)
-    assert m["mismatch/prob_abs_diff_mean"] == pytest.approx(0.125, rel=1e-5)
-    assert m["mismatch/prob_abs_diff_max"] == pytest.approx(0.25, rel=1e-5)
-    assert m["mismatch/ratio_max"] == pytest.approx(2.0, rel=1e-5)
-    assert m["mismatch/frac_ratio_outside_0.5_2"] == 0.0  # 2 is not outside [0.5, 2]
+    assert m["mismatch/logp_abs_diff_mean"] == pytest.approx(math.log(1.9) / 2, rel=1e-5)
+    assert m["mismatch/prob_abs_diff_mean"] == pytest.approx(0.09, rel=1e-5)
+    assert m["mismatch/prob_abs_diff_max"] == pytest.approx(0.18, rel=1e-5)
+    assert m["mismatch/ratio_max"] == pytest.approx(1.9, rel=1e-5)
+    assert m["mismatch/frac_ratio_outside_0.5_2"] == 0.0
+    # one ratio of 2.5 and one of 0.4 out of four tokens lie outside [0.5, 2]
+    out = mismatch_metrics(torch.log(torch.tensor([[0.5, 0.2, 0.3, 0.3]])), torch.log(torch.tensor([[0.2, 0.5, 0.3, 0.3]])),
+                           torch.ones(1, 4, dtype=torch.bool))
+    assert out["mismatch/frac_ratio_outside_0.5_2"] == 0.5
     with pytest.raises(ValueError, match="empty"):
         mismatch_metrics(train, roll, torch.zeros_like(mask))
