@@ -8,6 +8,7 @@ with each run (runs/<name>/config.yaml), so a run can always be reproduced.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -236,6 +237,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    """Build a Config from a nested dict (as config.yaml holds it) plus dotted overrides."""
+    data = {_ALIASES.get(k, k): v for k, v in copy.deepcopy(data).items()}
+    return _build(Config, apply_overrides(data, overrides or []), "")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults) and apply dotted overrides."""
     data: dict[str, Any] = {}
@@ -246,6 +253,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{p} must hold a mapping of sections")
-        data = {_ALIASES.get(k, k): v for k, v in data.items()}
-    data = apply_overrides(data, overrides or [])
-    return _build(Config, data, "")
+    return config_from_dict(data, overrides)

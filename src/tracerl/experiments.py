@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from tracerl import qat
-from tracerl.config import Config, apply_overrides, load_config
+from tracerl.config import Config, apply_overrides, config_from_dict
 from tracerl.guidance import CachePolicy
 from tracerl.rl import checkpoint as ckpt
 from tracerl.rl.alignment import alignment_report
@@ -90,13 +90,9 @@ def run_config(suite: Suite, row: str, task: str, seed: int, out_dir: Path, conf
     """The fully resolved Config of one (row, task, seed) run."""
     data = _merge(suite.base, row_overrides(row, configs_dir))
     data = apply_overrides(data, suite.tasks[task])
-    data = apply_overrides(data, [f"task.name={task}", f"train.seed={seed}", f"model.seed={seed}",
-                                  f"run.name={row}-{task}-s{seed}", f"run.out_dir={out_dir / 'runs'}",
-                                  "run.tensorboard=false"])
-    path = out_dir / "cache" / "_tmp_config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data))
-    return load_config(path)
+    return config_from_dict(data, [f"task.name={task}", f"train.seed={seed}", f"model.seed={seed}",
+                                   f"run.name={row}-{task}-s{seed}", f"run.out_dir={out_dir / 'runs'}",
+                                   "run.tensorboard=false"])
 
 
 def config_hash(cfg: Config) -> str:
@@ -126,9 +122,7 @@ def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
 
 
 def _with(cfg: Config, overrides: list[str]) -> Config:
-    from tracerl.config import _build
-
-    return _build(Config, apply_overrides(cfg.to_dict(), overrides), "")
+    return config_from_dict(cfg.to_dict(), overrides)
 
 
 def run_one(cfg: Config, warm: dict, cache: Path, log: Callable[[str], None]) -> dict:

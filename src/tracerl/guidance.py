@@ -170,9 +170,9 @@ class GuidanceRecord:
             return out
         def take(t):
             return None if t is None else t[index]
-        lead_shape = torch.empty(self.shape[0], 0)[index].shape[0]
+        n_rows = torch.arange(self.shape[0])[index].numel()
         return GuidanceRecord(
-            self.fmt, self.encoding, self.fields, (lead_shape, *self.shape[1:]), self.delta,
+            self.fmt, self.encoding, self.fields, (n_rows, *self.shape[1:]), self.delta,
             scales=take(self.scales), global_scale=take(self.global_scale),
             codes=take(self.codes), lsb=take(self.lsb),
         )
