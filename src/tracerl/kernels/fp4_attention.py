@@ -143,6 +143,10 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
     tl.store(out_ptr + bh * DH + d, _bf16(num / den))
 
 
+# KV_FP4 -> (block_t, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro)
+TUNED: dict[bool, tuple[int, int]] = {}
+
+
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64, target_programs: int = 1024) -> int:
     """Positions per split: enough splits that B * Hkv * S programs fill the GPU, whole BT tiles."""
     tiles = triton.cdiv(max_len, block_t)
@@ -160,7 +164,8 @@ def decode_attention(
     v_fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split_len: int | None = None,
     out: torch.Tensor | None = None,
-    block_t: int = 64,
+    block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
@@ -171,6 +176,8 @@ def decode_attention(
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
+    tb, tw = TUNED.get(fp4_kv, (64, 4))
+    block_t, num_warps = block_t or tb, num_warps or tw
     if fp4_kv:
         kc, ks, kg = k_fp4
         vc, vs, vg = v_fp4
@@ -205,7 +212,7 @@ def decode_attention(
     _decode_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, num_warps=4, num_stages=2,
+        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, num_warps=num_warps, num_stages=2,
     )
     _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out
