@@ -1,0 +1,433 @@
+"""Decode throughput of the GPU decode backend (rollout/gpu.py) on one GPU, FP4 vs BF16, vs transformers.
+
+Model: the `qwen3-30b-a3b` preset (48 layers, 128 experts, top-8) with random weights built on the
+GPU (DecoderWeights.random; never a full BF16 copy of FP4 parts). For each recipe (bf16, w4a16,
+w4a4, w4a4kv4), context (the KV cache filled with random K/V to that length: `fill_random`) and
+batch (the given ones plus the largest that fits in memory, from the measured free memory), a
+decode step is captured as one CUDA graph and replayed: `--warmup` replays, then `--steps`
+replays timed together with CUDA events. Reported per point: decode tokens/s (batch / step
+time), ms per step, bytes a step must move (touched experts' weights from the step's own
+routing + attention/router/norm weights + the whole KV cache read + lm_head: see
+GPUDecoder.bytes_per_step), the fraction of the bandwidth roofline (bytes / copy bandwidth,
+over the step time; the copy bandwidth is a device-to-device copy measured in the same run,
+bytes read + written), and peak memory. Speedups FP4/BF16 at equal batch and at each recipe's
+largest batch. Peer: transformers' `generate()` (Qwen3MoeForCausalLM, BF16, random weights,
+default attention/experts implementation) with --peer-layers layers (48 does not fit a quick
+run); its per-step decode time is measured at two layer counts and extrapolated linearly to 48
+layers (t = a + b * layers), and stated as such.
+
+    PYTHONPATH=src python3 bench/rollout.py --out out/rollout.json            # full sweep (device)
+    PYTHONPATH=src python3 bench/rollout.py --micro --recipes bf16,w4a4kv4 --batches 64 --contexts 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from tracerl import qat
+from tracerl.kernels import fp4_attention as fa
+from tracerl.kernels import fp4_gemm as fg
+from tracerl.model.config import get_config
+from tracerl.rollout.gpu import DecoderWeights, GPUDecoder
+
+GiB = 2**30
+
+
+def events_ms(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (4 GiB source)."""
+    src = torch.randn(GiB, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    src = torch.cat([src, src])
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), 10, 3)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def kv_bytes_per_token(cfg, kv4: bool) -> int:
+    per_head = cfg.head_dim // 2 + cfg.head_dim // 16 + 4 if kv4 else cfg.head_dim * 2
+    return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
+
+
+def max_batch(cfg, kv4: bool, max_len: int, cap: int, margin_gib: float = 4.0) -> int:
+    """Largest multiple of 16 whose KV cache + per-row workspace fits the free memory now."""
+    free, _ = torch.cuda.mem_get_info()
+    per_row = kv_bytes_per_token(cfg, kv4) * max_len + 3 * cfg.vocab_size * 4 + 4 * cfg.top_k * cfg.hidden_size * 4
+    b = int((free - margin_gib * GiB) // per_row) // 16 * 16
+    return max(0, min(b, cap))
+
+
+def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: float, bf16_experts: str) -> dict:
+    cfg = w.cfg
+    max_len = ctx + warmup + steps + 2
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    dec = GPUDecoder(w, batch=B, max_len=max_len, temperature=1.0, bf16_experts=bf16_experts)
+    dec.fill_random(ctx)
+    dec.capture()
+    setup_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        dec.step()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        dec.step()
+    b.record()
+    b.synchronize()
+    ms = a.elapsed_time(b) / steps
+    by = dec.bytes_per_step(ctx + warmup + steps / 2)
+    ok = bool(torch.isfinite(dec.logprobs).all()) and int(dec.next_tokens.min()) >= 0 \
+        and int(dec.next_tokens.max()) < cfg.vocab_size
+    res = {
+        "batch": B, "context": ctx, "ms_per_step": ms, "tok_per_s": B / (ms * 1e-3),
+        "bytes_per_step": by["total"], "bytes": by, "roofline_ms": by["total"] / bw * 1e3,
+        "roofline_frac": by["total"] / bw / (ms * 1e-3), "achieved_GBps": by["total"] / (ms * 1e-3) / 1e9,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB, "setup_s": setup_s, "outputs_ok": ok,
+        "graph": dec.graph is not None,
+    }
+    del dec
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+GEMM_CONFIGS = [(64, 128, 4), (64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8)]
+ATTN_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8)]
+
+
+def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
+    """One layer's expert GEMMs and attention at `batch`, per kernel and tile config (CUDA events).
+
+    Sweeps (BN, BK, num_warps) of each grouped GEMM and (BT, num_warps) of attention, keeps the
+    fastest in fg.TUNED / fa.TUNED for the decode sweep, and times the vendor BF16 grouped GEMM
+    (torch._grouped_mm) as the BF16 alternative."""
+    from tracerl import kernels
+
+    out = []
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    D, E, Fw, K = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.top_k
+    wgu = (torch.randn(E, 2 * Fw, D, device=dev, generator=g) * 0.02).bfloat16()
+    wdn = (torch.randn(E, D, Fw, device=dev, generator=g) * 0.02).bfloat16()
+    qgu = kernels.quantize(wgu, "nvfp4", global_scale=qat.weight_global_scale(wgu))
+    qdn = kernels.quantize(wdn, "nvfp4", global_scale=qat.weight_global_scale(wdn))
+    x = torch.randn(batch, D, device=dev, generator=g).bfloat16()
+    ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
+    offs, tok, pair, gs = fg.dispatch(ids, gates, E)
+    touched = int((torch.diff(offs, prepend=offs[:1] * 0) > 0).sum())
+    bm = fg.pick_bm(batch * K / E)
+    tiles = (*fg.row_tiles(offs, bm, fg.max_row_tiles(E, batch * K, bm)), bm)
+    y = torch.zeros(batch * K, D, device=dev)
+    h = torch.randn(batch * K, Fw, device=dev, generator=g).bfloat16()
+    xq = kernels.quantize(x, "nvfp4", per_row_global=True)
+    hq = kernels.quantize(h, "nvfp4", per_row_global=True)
+    frac = touched / E
+
+    def rec(name, fn, nbytes, **extra):
+        try:
+            ms = events_ms(fn, 20, 3)
+            r = {"kernel": name, "batch": batch, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                 "roofline_frac": nbytes / bw / (ms * 1e-3), **extra}
+        except Exception as e:  # keep going: report what failed
+            r = {"kernel": name, "error": f"{type(e).__name__}: {str(e)[:300]}", **extra}
+        out.append(r)
+        print("micro", json.dumps(r), flush=True)
+        return r.get("ms", float("inf"))
+
+    def gu(w, a, c):
+        return lambda: fg.grouped_gemm(a, w, offs, row_idx=tok, swiglu=True, n_rows=tok.numel(), tiles=tiles,
+                                       config=(bm, *c))
+
+    def dn(w, a, c):
+        return lambda: fg.grouped_gemm(a, w, offs, dst_idx=pair, gate=gs, out=y, tiles=tiles, config=(bm, *c))
+
+    b16 = {"gu": frac * wgu.numel() * 2, "dn": frac * wdn.numel() * 2}
+    b4 = {"gu": frac * qgu.nbytes, "dn": frac * qdn.nbytes}
+    for kind, mk, w4, wb, a16, a4 in (("gu", gu, qgu, wgu, x, xq), ("dn", dn, qdn, wdn, h, hq)):
+        best = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton", mk(w4, a16, c), b4[kind], config=c))
+        fg.TUNED[(True, False, kind == "gu")] = best
+        best4 = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} w4a4 triton", mk(w4, a4, c), b4[kind], config=c))
+        fg.TUNED[(True, True, kind == "gu")] = best4
+        bestb = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} bf16 triton", mk(wb, a16, c), b16[kind], config=c))
+        fg.TUNED[(False, False, kind == "gu")] = bestb
+        if fg.USE_ASM:
+            fg.USE_ASM = False
+            rec(f"{kind} w4a16 triton portable nibbles", mk(w4, a16, best), b4[kind], config=best)
+            fg.USE_ASM = True
+
+    def moe_grouped_mm():
+        xs = x[tok.long()]
+        h2 = torch._grouped_mm(xs, wgu.transpose(-2, -1), offs=offs)
+        hm = torch.nn.functional.silu(h2[:, :Fw]) * h2[:, Fw:]
+        yy = torch._grouped_mm(hm, wdn.transpose(-2, -1), offs=offs)
+        y.index_copy_(0, pair.long(), yy.float() * gs[:, None])
+
+    def moe_triton(wa, wb):
+        return lambda: (fg.grouped_gemm(x, wa, offs, row_idx=tok, swiglu=True, n_rows=tok.numel(), tiles=tiles),
+                        fg.grouped_gemm(h, wb, offs, dst_idx=pair, gate=gs, out=y, tiles=tiles))
+
+    rec("experts bf16 torch._grouped_mm", moe_grouped_mm, b16["gu"] + b16["dn"], touched_experts=touched)
+    rec("experts bf16 triton (tuned)", moe_triton(wgu, wdn), b16["gu"] + b16["dn"], touched_experts=touched)
+    rec("experts w4a16 triton (tuned)", moe_triton(qgu, qdn), b4["gu"] + b4["dn"], touched_experts=touched)
+    Hkv, Dh, H = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    q = torch.randn(batch, H, Dh, device=dev, generator=g).bfloat16()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    k = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
+    v = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
+    kq = kernels.quantize(k, "nvfp4", per_row_global=True)
+    vq = kernels.quantize(v, "nvfp4", per_row_global=True)
+    kf = (kq.codes, kq.scales.view(torch.uint8), kq.global_scale)
+    vf = (vq.codes, vq.scales.view(torch.uint8), vq.global_scale)
+    sl = fa.split_len_for(ctx, batch, Hkv)
+    nb16 = 2 * k.numel() * 2
+    nb4 = 2 * (kq.codes.numel() + kq.scales.numel() + kq.global_scale.numel() * 4)
+    fa.TUNED[False] = min(ATTN_CONFIGS, key=lambda c: rec(
+        "attention bf16 kv", lambda: fa.decode_attention(q, lens, k=k, v=v, split_len=sl, block_t=c[0], num_warps=c[1]),
+        nb16, config=c, context=ctx))
+    fa.TUNED[True] = min(ATTN_CONFIGS, key=lambda c: rec(
+        "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
+                                                        num_warps=c[1]), nb4, config=c, context=ctx))
+    out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()},
+                "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
+    print("tuned", out[-1], flush=True)
+    return out
+
+
+def peer_transformers(cfg, batches: list[int], ctx: int, layer_counts: list[int], new_tokens: int) -> list[dict]:
+    """transformers generate() decode ms/step at each batch and layer count, and the 48-layer extrapolation."""
+    import transformers
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    rows = []
+    per = {}
+    for nl in layer_counts:
+        kw = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=6144,
+            moe_intermediate_size=cfg.expert_size, num_hidden_layers=nl, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k, norm_topk_prob=True,
+            max_position_embeddings=max(4096, ctx * 2), mlp_only_layers=[], decoder_sparse_step=1,
+            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False,
+        )
+        try:  # transformers 5: rope_parameters; 4.x: rope_theta
+            hc = Qwen3MoeConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+        except TypeError:
+            hc = Qwen3MoeConfig(**kw, rope_theta=cfg.rope_theta)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen3MoeForCausalLM(hc).to(torch.bfloat16).eval()
+        impl = {"attn": getattr(model.config, "_attn_implementation", None),
+                "experts": getattr(model.config, "_experts_implementation", None)}
+        for B in batches:
+            ids = torch.randint(0, cfg.vocab_size, (B, ctx), device="cuda")
+            mask = torch.ones_like(ids)
+
+            def gen(n, model=model, ids=ids, mask=mask):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            gen(2)  # warm up
+            t1 = min(gen(1) for _ in range(2))
+            tn = min(gen(1 + new_tokens) for _ in range(2))
+            ms = (tn - t1) / new_tokens * 1e3
+            per[(nl, B)] = ms
+            rows.append({"layers": nl, "batch": B, "context": ctx, "ms_per_step": ms, "tok_per_s": B / (ms * 1e-3),
+                         "transformers": transformers.__version__, "impl": impl})
+            print(f"peer layers={nl} B={B}: {ms:.1f} ms/step", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    if len(layer_counts) >= 2:
+        l0, l1 = layer_counts[0], layer_counts[-1]
+        for B in batches:
+            b = (per[(l1, B)] - per[(l0, B)]) / (l1 - l0)
+            a = per[(l1, B)] - b * l1
+            ms48 = a + b * cfg.num_layers
+            rows.append({"layers": cfg.num_layers, "batch": B, "context": ctx, "ms_per_step": ms48,
+                         "tok_per_s": B / (ms48 * 1e-3), "extrapolated_from_layers": [l0, l1]})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the preset's)")
+    ap.add_argument("--recipes", default="w4a4kv4,w4a4,w4a16,bf16")
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--max-batch-cap", type=int, default=2048)
+    ap.add_argument("--no-max-batch", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bf16-experts", default="auto", help="triton | grouped_mm | auto (faster in --micro)")
+    ap.add_argument("--micro", action="store_true", help="per-kernel timings at --micro-batch first")
+    ap.add_argument("--micro-batch", type=int, default=256)
+    ap.add_argument("--peer", action="store_true", help="transformers generate() peer rows")
+    ap.add_argument("--peer-batches", default="16,64")
+    ap.add_argument("--peer-layers", default="3,6")
+    ap.add_argument("--peer-context", type=int, default=1024)
+    ap.add_argument("--peer-new-tokens", type=int, default=8)
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
+    ap.add_argument("--out", default="out/rollout.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/rollout.py needs a CUDA device", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
+           "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda")}
+    import triton
+
+    env["triton"] = triton.__version__
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    env["copy_GBps"] = bw / 1e9
+    print(f"env: {env}", flush=True)
+    result = {"env": env, "args": vars(args), "points": [], "micro": [], "peer_transformers": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    bf16_experts = args.bf16_experts if args.bf16_experts != "auto" else "triton"
+    if args.micro:
+        result["micro"] = micro(cfg, bw, args.micro_batch, 1024)
+        if args.bf16_experts == "auto":
+            t = {r["kernel"]: r.get("ms", 1e9) for r in result["micro"] if "kernel" in r}
+            if t.get("experts bf16 torch._grouped_mm", 1e9) < t.get("experts bf16 triton (tuned)", 1e9):
+                bf16_experts = "grouped_mm"
+        save()
+        gc.collect()
+        torch.cuda.empty_cache()
+    env["bf16_experts"] = bf16_experts
+    batches = [int(b) for b in args.batches.split(",") if b]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    for rname in [r for r in args.recipes.split(",") if r]:
+        recipe = qat.Recipe(rname)
+        t0 = time.perf_counter()
+        w = DecoderWeights.random(cfg, recipe, "cuda")
+        torch.cuda.synchronize()
+        print(f"[{rname}] weights {w.nbytes / GiB:.1f} GiB built in {time.perf_counter() - t0:.1f}s", flush=True)
+        for ctx in contexts:
+            pts = list(batches)
+            if not args.no_max_batch:
+                mb = max_batch(cfg, recipe.kv, ctx + args.warmup + args.steps + 2, args.max_batch_cap)
+                if mb not in pts and mb > 0:
+                    pts.append(mb)
+                mb_fit = mb
+            for B in pts:
+                base = {"recipe": rname, "batch": B, "context": ctx, "largest": not args.no_max_batch and B == mb_fit}
+                if time.perf_counter() - t_start > args.time_budget:
+                    result["points"].append({**base, "skipped": "time budget"})
+                    continue
+                if not args.no_max_batch and B > mb_fit:
+                    result["points"].append({**base, "fits": False})
+                    print(f"[{rname}] ctx={ctx} B={B}: does not fit (largest {mb_fit})", flush=True)
+                    continue
+                try:
+                    r = run_point(w, B, ctx, args.steps, args.warmup, bw, bf16_experts)
+                    r.update(base)
+                    print(f"[{rname}] ctx={ctx} B={B}: {r['ms_per_step']:.2f} ms/step {r['tok_per_s']:.0f} tok/s "
+                          f"roofline {r['roofline_frac']:.2f} ({r['achieved_GBps']:.0f} GB/s) "
+                          f"peak {r['peak_mem_gib']:.1f} GiB setup {r['setup_s']:.1f}s ok={r['outputs_ok']}", flush=True)
+                except Exception as e:
+                    r = {**base, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                    print(f"[{rname}] ctx={ctx} B={B}: ERROR {r['error']}", flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                result["points"].append(r)
+                save()
+        del w
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.peer and time.perf_counter() - t_start < args.time_budget:
+        try:
+            result["peer_transformers"] = peer_transformers(
+                cfg, [int(b) for b in args.peer_batches.split(",")], args.peer_context,
+                [int(x) for x in args.peer_layers.split(",")], args.peer_new_tokens)
+        except Exception as e:
+            result["peer_transformers"] = [{"error": f"{type(e).__name__}: {str(e)[:500]}"}]
+            print("peer ERROR", result["peer_transformers"], flush=True)
+    summarize(result)
+    result["wall_s"] = time.perf_counter() - t_start
+    save()
+    return 0
+
+
+def summarize(result: dict) -> None:
+    """Speedups vs BF16 (equal batch; each recipe's largest batch) and vs the peer; print a table."""
+    pts = [p for p in result["points"] if "ms_per_step" in p]
+    by = {(p["recipe"], p["context"], p["batch"]): p for p in pts}
+    speed = []
+    for p in pts:
+        if p["recipe"] == "bf16":
+            continue
+        ref = by.get(("bf16", p["context"], p["batch"]))
+        if ref:
+            speed.append({"recipe": p["recipe"], "context": p["context"], "batch": p["batch"], "vs": "bf16 equal batch",
+                          "speedup": p["tok_per_s"] / ref["tok_per_s"]})
+    for ctx in sorted({p["context"] for p in pts}):
+        big = {r: max((p for p in pts if p["recipe"] == r and p["context"] == ctx), key=lambda p: p["batch"])
+               for r in {p["recipe"] for p in pts if p["context"] == ctx}}
+        if "bf16" in big:
+            for r, p in big.items():
+                if r != "bf16":
+                    speed.append({"recipe": r, "context": ctx, "batch": p["batch"], "vs": f"bf16 largest batch {big['bf16']['batch']}",
+                                  "speedup": p["tok_per_s"] / big["bf16"]["tok_per_s"]})
+    peer = {(r["batch"]): r for r in result.get("peer_transformers", []) if r.get("layers") == 48}
+    for p in pts:
+        if p["batch"] in peer and p["context"] == 1024:
+            speed.append({"recipe": p["recipe"], "context": p["context"], "batch": p["batch"],
+                          "vs": "transformers generate (48-layer extrapolation)",
+                          "speedup": p["tok_per_s"] / peer[p["batch"]]["tok_per_s"]})
+    result["speedups"] = speed
+    # the committed summary: one entry per recipe x batch x context
+    result["summary"] = {f"{p['recipe']}/b{p['batch']}/ctx{p['context']}": {
+        k: p[k] for k in ("tok_per_s", "ms_per_step", "roofline_frac", "peak_mem_gib", "bytes_per_step", "largest")}
+        for p in pts}
+    print(f"\ncopy bandwidth {result['env']['copy_GBps']:.0f} GB/s; {result['env']['selfcheck']}")
+    print(f"{'recipe':8} {'ctx':>5} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'GB/step':>8} {'roofline':>8} {'peak GiB':>8}")
+    for p in result["points"]:
+        if "ms_per_step" in p:
+            print(f"{p['recipe']:8} {p['context']:5d} {p['batch']:5d} {p['ms_per_step']:8.2f} {p['tok_per_s']:9.0f} "
+                  f"{p['bytes_per_step'] / 1e9:8.2f} {p['roofline_frac']:8.2f} {p['peak_mem_gib']:8.1f}"
+                  + ("  (largest)" if p.get("largest") else ""))
+        else:
+            print(f"{p['recipe']:8} {p['context']:5d} {p['batch']:5d} {p.get('error') or p.get('skipped') or 'does not fit'}")
+    for r in result.get("peer_transformers", []):
+        if "ms_per_step" in r:
+            print(f"transformers L={r['layers']:2d} B={r['batch']:4d}: {r['ms_per_step']:.1f} ms/step {r['tok_per_s']:.0f} tok/s"
+                  + (" (extrapolated)" if "extrapolated_from_layers" in r else ""))
+    for s in speed:
+        print(f"speedup {s['recipe']:8} ctx={s['context']:5d} B={s['batch']:4d} vs {s['vs']}: {s['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
