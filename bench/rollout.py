@@ -35,7 +35,7 @@ from tracerl import qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
 from tracerl.model.config import get_config
-from tracerl.rollout.gpu import DecoderWeights, GPUDecoder
+from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, quantize_weight
 
 GiB = 2**30
 
@@ -130,8 +130,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     D, E, Fw, K = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.top_k
     wgu = (torch.randn(E, 2 * Fw, D, device=dev, generator=g) * 0.02).bfloat16()
     wdn = (torch.randn(E, D, Fw, device=dev, generator=g) * 0.02).bfloat16()
-    qgu = kernels.quantize(wgu, "nvfp4", global_scale=qat.weight_global_scale(wgu))
-    qdn = kernels.quantize(wdn, "nvfp4", global_scale=qat.weight_global_scale(wdn))
+    qgu, qdn = quantize_weight(wgu), quantize_weight(wdn)
     x = torch.randn(batch, D, device=dev, generator=g).bfloat16()
     ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
     offs, tok, pair, gs = fg.dispatch(ids, gates, E)

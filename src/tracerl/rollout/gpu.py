@@ -238,18 +238,15 @@ class DecoderWeights:
         def rnd(*shape):
             return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * cfg.init_std).bfloat16()
 
-        def maybe_fp4(site, w, gs=None):
-            if not recipe.quantizes(site):
-                return w
-            gs = gs if gs is not None else qat.weight_global_scale(w)
-            return kernels.quantize(w, "nvfp4", global_scale=gs)
+        def maybe_fp4(site, w):
+            return quantize_weight(w) if recipe.quantizes(site) else w
 
         ones = torch.ones(D, dtype=torch.bfloat16, device=device)
         layers = []
         for i in range(cfg.num_layers):
             a = f"layers.{i}.attn"
             wqkv = rnd(cfg.q_size + 2 * cfg.kv_size, D)
-            wqkv = maybe_fp4(f"{a}.q_proj.weight", wqkv, qat.weight_global_scale(wqkv))
+            wqkv = maybe_fp4(f"{a}.q_proj.weight", wqkv)  # q/k/v: one shared global scale
             qk = torch.ones(2, Dh, dtype=torch.bfloat16, device=device) if cfg.qk_norm == "head" else None
             layers.append(LayerWeights(
                 attn_norm=ones, mlp_norm=ones, wqkv=wqkv, wo=maybe_fp4(f"{a}.o_proj.weight", rnd(D, cfg.q_size)),
@@ -260,6 +257,18 @@ class DecoderWeights:
         embed = rnd(cfg.vocab_size, D)
         head = embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, D)
         return cls(cfg, recipe, embed, head, ones, layers)
+
+
+def quantize_weight(w: torch.Tensor) -> fp4.FP4Tensor:
+    """NVFP4 of a (stacked) weight with one global scale per matrix, as qat.quantize_weight, on the
+    Triton kernels: stacked (E, O, I) experts are quantized as E rows of O*I (blocks of 16 never
+    straddle a matrix row), so each expert's global scale is a per-row one."""
+    gs = qat.weight_global_scale(w)
+    if w.dim() == 2:
+        return kernels.quantize(w, "nvfp4", global_scale=gs)
+    E, O, I = w.shape
+    q = kernels.quantize(w.reshape(E, O * I), "nvfp4", global_scale=gs.reshape(E, 1))
+    return fp4.FP4Tensor(q.codes.reshape(E, O, I // 2), q.scales.reshape(E, O, I // 16), gs, "nvfp4", w.shape)
 
 
 def _mm_f32_out():
