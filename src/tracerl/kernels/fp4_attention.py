@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tracerl import fp4
 from tracerl.kernels import fp4_gemm
-from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_tile
+from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_dequant, _fp4_load
 
 
 @triton.jit
@@ -78,13 +78,27 @@ def _decode_attn_kernel(
         kb = k_ptr + b64 * skb + hk * DH
         vb = v_ptr + b64 * skb + hk * DH
     t = t0
+    if KV_FP4:  # software prefetch of the next tile's packed K/V (see fp4_gemm's K loop)
+        ts = t + tl.arange(0, BT)
+        tmask = ts < t1
+        ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
+        pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
+        pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
+        gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
+        gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
     while t < t1:
         ts = t + tl.arange(0, BT)
         tmask = ts < t1
-        ts64 = tl.where(tmask, ts, 0).to(tl.int64)
+        ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
         if KV_FP4:
-            k_ev, k_od = _fp4_tile(kc, ks, ts64, tmask, sct, sst, 0, DH, BT, ASM, F32)
-            gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
+            tn = ts + BT
+            nmask = tn < t1
+            tn64 = tl.where(nmask, tn, 0)
+            pk_n, sk_n = _fp4_load(kc, ks, tn64, nmask[:, None], sct, sst, 0, DH)
+            pv_n, sv_n = _fp4_load(vc, vs, tn64, nmask[:, None], sct, sst, 0, DH)
+            gk_n = tl.load(kg + tn64 * sgt, mask=nmask, other=1.0)
+            gv_n = tl.load(vg + tn64 * sgt, mask=nmask, other=1.0)
+            k_ev, k_od = _fp4_dequant(pk, sk, BT, DH, ASM, F32)
             s = tl.dot(q_ev, tl.trans(k_ev))
             s = tl.dot(q_od, tl.trans(k_od), s)
             s = s * (sm_scale / gk)[None, :]
@@ -99,13 +113,13 @@ def _decode_attn_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_FP4:
-            v_ev, v_od = _fp4_tile(vc, vs, ts64, tmask, sct, sst, 0, DH, BT, ASM, F32)
-            gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+            v_ev, v_od = _fp4_dequant(pv_, sv, BT, DH, ASM, F32)
             pv = p / gv[None, :]
             if not F32:
                 pv = _bf16(pv)
             acc_ev = tl.dot(pv, v_ev, acc_ev * alpha[:, None])
             acc_od = tl.dot(pv, v_od, acc_od * alpha[:, None])
+            pk, sk, pv_, sv, gk, gv = pk_n, sk_n, pv_n, sv_n, gk_n, gv_n
         else:
             vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
             if F32:

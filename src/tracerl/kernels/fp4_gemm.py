@@ -51,6 +51,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # it the kernels compute in float32; every product here is exact in BF16, so the results agree.
 USE_ASM = not INTERPRET  # the PTX nibble conversion; `selfcheck` turns it off if it disagrees
 C_INTERPRET = tl.constexpr(INTERPRET)
+PREFETCH = True  # load the next K tile's packed weights before dequantizing this one (A/B in the bench)
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""
@@ -134,16 +135,29 @@ def _block_scales(s_bytes, R: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F
 
 
 @triton.jit
-def _fp4_tile(c_ptr, s_ptr, rows, rmask, sc, ss, k0, BK: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr,
-              F32: tl.constexpr):
-    """(even, odd) BF16 tiles (R, BK//2) of c * s8 for columns k0..k0+BK of packed rows `rows`."""
+def _fp4_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr):
+    """Packed codes (R, BK//2) and scale bytes (R, BK//16) of columns k0..k0+BK of rows `rows` (mask m2 (R, 1))."""
     j = tl.arange(0, BK // 2)
-    p = tl.load(c_ptr + rows[:, None] * sc + (k0 // 2 + j)[None, :], mask=rmask[:, None], other=0)
+    p = tl.load(c_ptr + rows[:, None] * sc + (k0 // 2 + j)[None, :], mask=m2, other=0)
     jb = tl.arange(0, BK // 16)
-    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=rmask[:, None], other=0)
+    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
+    return p, sb
+
+
+@triton.jit
+def _fp4_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """(even, odd) BF16 tiles (R, BK//2) of c * s8 from `_fp4_load`'s bytes."""
     s = _block_scales(sb, R, BK // 16, 8, F32)
     lo, hi = _nibbles(p, ASM, F32)
     return lo * s, hi * s
+
+
+@triton.jit
+def _fp4_tile(c_ptr, s_ptr, rows, rmask, sc, ss, k0, BK: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr,
+              F32: tl.constexpr):
+    """(even, odd) BF16 tiles (R, BK//2) of c * s8 for columns k0..k0+BK of packed rows `rows`."""
+    p, sb = _fp4_load(c_ptr, s_ptr, rows, rmask[:, None], sc, ss, k0, BK)
+    return _fp4_dequant(p, sb, R, BK, ASM, F32)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM
@@ -159,7 +173,7 @@ def _grouped_gemm_kernel(
     NOUT, K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
-    SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+    SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
@@ -184,8 +198,27 @@ def _grouped_gemm_kernel(
             arow = tl.where(rmask, rows, 0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        if W_FP4 and PF:
+            # software prefetch: the next K tile's packed bytes are loaded before this tile's dequant
+            # (a memory-bound loop whose loads feed register math, not a dot, is not pipelined by Triton)
+            cm2 = cmask[:, None]
+            pw, sw = _fp4_load(w_e, ws_e, wrow, cm2, swn, ssn, 0, BK)
+            pu, su = pw, sw
+            if SWIGLU:
+                pu, su = _fp4_load(w_e, ws_e, wrow + NOUT, cm2, swn, ssn, 0, BK)
         for k0 in range(0, K, BK):
             if W_FP4:
+                if PF:
+                    nxt = cm2 & (k0 + BK < K)
+                    pw_n, sw_n = _fp4_load(w_e, ws_e, wrow, nxt, swn, ssn, k0 + BK, BK)
+                    pu_n, su_n = pw_n, sw_n
+                    if SWIGLU:
+                        pu_n, su_n = _fp4_load(w_e, ws_e, wrow + NOUT, nxt, swn, ssn, k0 + BK, BK)
+                else:
+                    pw, sw = _fp4_load(w_e, ws_e, wrow, cmask[:, None], swn, ssn, k0, BK)
+                    pu, su = pw, sw
+                    if SWIGLU:
+                        pu, su = _fp4_load(w_e, ws_e, wrow + NOUT, cmask[:, None], swn, ssn, k0, BK)
                 if A_FP4:
                     a_ev, a_od = _fp4_tile(a_ptr, as_ptr, arow, rmask, sa, sas, k0, BK, BM, ASM, F32)
                 else:
@@ -194,13 +227,15 @@ def _grouped_gemm_kernel(
                     if F32:
                         a = a.to(tl.float32)
                     a_ev, a_od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-                w_ev, w_od = _fp4_tile(w_e, ws_e, wrow, cmask, swn, ssn, k0, BK, BN, ASM, F32)
+                w_ev, w_od = _fp4_dequant(pw, sw, BN, BK, ASM, F32)
                 acc = tl.dot(a_ev, tl.trans(w_ev), acc)
                 acc = tl.dot(a_od, tl.trans(w_od), acc)
                 if SWIGLU:
-                    u_ev, u_od = _fp4_tile(w_e, ws_e, wrow + NOUT, cmask, swn, ssn, k0, BK, BN, ASM, F32)
+                    u_ev, u_od = _fp4_dequant(pu, su, BN, BK, ASM, F32)
                     acc2 = tl.dot(a_ev, tl.trans(u_ev), acc2)
                     acc2 = tl.dot(a_od, tl.trans(u_od), acc2)
+                if PF:
+                    pw, sw, pu, su = pw_n, sw_n, pu_n, su_n
             else:
                 kk = k0 + tl.arange(0, BK)
                 a = tl.load(a_ptr + arow[:, None] * sa + kk[None, :], mask=rmask[:, None], other=0.0)
@@ -377,7 +412,8 @@ def grouped_gemm(
         out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
-        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, num_warps=nw, num_stages=3,
+        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=PREFETCH, num_warps=nw,
+        num_stages=3,
     )
     return out
 
