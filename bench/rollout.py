@@ -298,7 +298,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-new-tokens", type=int, default=8)
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
     ap.add_argument("--out", default="out/rollout.json")
+    ap.add_argument("--merge", nargs="+", help="combine result JSONs of one session (sweep + peer) into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -381,6 +384,21 @@ def main(argv=None) -> int:
     summarize(result)
     result["wall_s"] = time.perf_counter() - t_start
     save()
+    return 0
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One result from several runs' JSONs (e.g. the sweep and the peer run of one device session)."""
+    parts = [json.load(open(p)) for p in paths]
+    result = {"env": parts[0]["env"], "args": [p["args"] for p in parts], "points": [], "micro": [],
+              "peer_transformers": [], "sources": paths}
+    for p in parts:
+        for k in ("points", "micro", "peer_transformers"):
+            result[k] += p.get(k, [])
+    result["env"]["copy_GBps_runs"] = [p["env"]["copy_GBps"] for p in parts]
+    summarize(result)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
     return 0
 
 

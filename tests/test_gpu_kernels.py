@@ -142,8 +142,10 @@ def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10):
     q = fa.qkv_post(qkv, pos, cos, sin, normw, H, Hkv, Dh, 1e-6, kc, vc)
     qr, kr, vr = fa.qkv_post_reference(qkv, pos, cos, sin, normw, H, Hkv, Dh, 1e-6)
     rows = torch.arange(B, device=dev)
-    # the kernel's sqrt/division are the fast ones: a norm factor may differ in its last bits
-    assert _within_ulps(q, qr, 3) and _within_ulps(kc[rows, pos.long()], kr, 3)
+    # the kernel's sqrt/division are the fast ones, so a norm factor may differ in its last bits and
+    # RoPE's x*cos + rot(x)*sin can round either way; where the sum cancels that is many ulps of a
+    # tiny result, so the bound is relative to the vectors (on the CPU interpreter they agree exactly)
+    assert _rel(q, qr) < 4e-3 and _rel(kc[rows, pos.long()], kr) < 4e-3
     assert torch.equal(vc[rows, pos.long()], vr)
     # the FP4 store: quantized new K/V land at (row, pos[row]) bit for bit
     from tracerl.rollout.kvcache import FP4KVCache
