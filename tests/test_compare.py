@@ -86,7 +86,7 @@ def test_pareto_and_claims_logic():
         "none": {"mismatch/kl_k3": 1e-4}, "qat": {"mismatch/kl_k3": 1e-5}, "qat-r3": {"mismatch/kl_k3": 9e-6},
         "trace": {"mismatch/kl_k3": 1e-6, "bytes_per_token": 100}, "trace-full": {"mismatch/kl_k3": 1e-7, "bytes_per_token": 1000},
     }
-    res = {"study": {"arith/bfloat16": {"alignments": align}}, "tasks": [], "runs": {}, "ptq": {}}
+    res = {"study": {"arith/bfloat16": {"dtype": "bfloat16", "alignments": align}}, "tasks": [], "runs": {}, "ptq": {}}
     c = claims(res)
     assert c["a"]["held"] and c["d"]["held"]
     align["trace"]["mismatch/kl_k3"] = 5e-6  # no longer a third of qat-r3's
