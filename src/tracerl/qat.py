@@ -209,14 +209,12 @@ class FakeQuant:
     site follows the rollout's record (TRACE); other sites round to nearest (plain QAT).
     With `reference` (site -> FP4Tensor of the rollout's codes at that site, diagnostics only)
     the handler counts code flips per site into `flips`, over the (B, S) `valid_tokens`.
-    `row_mask[site]` (bool over rows) limits guidance to rows whose record matches this forward.
     """
 
     recipe: Recipe
     guidance: Mapping[str, object] = field(default_factory=dict)
     reference: Mapping[str, fp4.FP4Tensor] = field(default_factory=dict)
     flips: dict[str, SiteFlips] = field(default_factory=dict)
-    row_mask: Mapping[str, torch.Tensor] = field(default_factory=dict)
     valid_tokens: torch.Tensor | None = None
     measure_only: bool = False  # a BF16 trainer: count what its RTN codes would be, compute unquantized
 
@@ -240,31 +238,19 @@ class FakeQuant:
         if self.measure_only:
             ref = self.reference.get(site)
             if ref is not None:
-                self._count_flips(site, x.detach(), None, None, ref)
+                self._count_flips(site, x.detach(), None, ref)
             return x
         record = self.guidance.get(site)
         guide = record.rounding_guide() if record is not None else None
         out = fp4.fake_quantize(x, self.recipe.fmt, guidance=guide, per_row_global=True, name=site)
-        rows = self.row_mask.get(site)
-        if guide is not None and rows is not None:
-            # rows whose rollout record describes a different computation (e.g. another expert
-            # in that top-k slot when routing is not replayed) round to nearest instead
-            plain = fp4.fake_quantize(x, self.recipe.fmt, per_row_global=True, name=site)
-            out = torch.where(rows.unsqueeze(-1), out, plain)
         ref = self.reference.get(site)
         if ref is not None:
-            self._count_flips(site, x.detach(), guide, rows, ref)
+            self._count_flips(site, x.detach(), guide, ref)
         return out
 
-    def _count_flips(
-        self, site: str, x: torch.Tensor, guide: fp4.RoundingGuide | None, rows: torch.Tensor | None,
-        ref: fp4.FP4Tensor,
-    ) -> None:
+    def _count_flips(self, site: str, x: torch.Tensor, guide: fp4.RoundingGuide | None, ref: fp4.FP4Tensor) -> None:
         rounding = "guided" if guide is not None else "rtn"
         q = fp4.quantize(x, self.recipe.fmt, rounding, per_row_global=True, guide=guide, name=site)
-        if guide is not None and rows is not None:
-            plain = fp4.quantize(x, self.recipe.fmt, per_row_global=True, name=site)
-            q.codes = torch.where(rows.unsqueeze(-1), q.codes, plain.codes)
         mine, theirs = fp4.unpack_codes(q), fp4.unpack_codes(ref)
         if mine.shape != theirs.shape:
             raise ValueError(f"{site}: reference codes {tuple(theirs.shape)} do not align with {tuple(mine.shape)}")
