@@ -29,6 +29,11 @@ import triton.language as tl
 
 from tracerl import fp4
 from tracerl.kernels import fp4_gemm
+from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
+    decode_attention_reference,
+    fp4_rows,
+    qkv_post_reference,
+)
 from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_dequant, _fp4_load
 
 
@@ -235,31 +240,6 @@ def decode_attention(
 # ----------------------------------------------------------------------------- reference
 
 
-def fp4_rows(codes: torch.Tensor, scale_bytes: torch.Tensor, gs: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Values of FP4 cache rows (..., Dh//2) codes, (..., Dh//16) scale bytes, (..., 1) global scales."""
-    q = fp4.FP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), gs, "nvfp4",
-                      torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
-    return fp4.dequantize(q, dtype)
-
-
-def decode_attention_reference(q: torch.Tensor, lens: torch.Tensor, *, k=None, v=None, k_fp4=None, v_fp4=None,
-                               kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`decode_attention` in float64 on K/V dequantized to `kv_dtype` (float32: exact c*s8/gs)."""
-    B, H, Dh = q.shape
-    if k_fp4 is not None:
-        k = fp4_rows(*k_fp4, dtype=kv_dtype)
-        v = fp4_rows(*v_fp4, dtype=kv_dtype)
-    Hkv = k.shape[2]
-    out = torch.empty(B, H, Dh, dtype=torch.float64, device=q.device)
-    for b in range(B):
-        n = int(lens[b])
-        kb = k[b, :n].double().repeat_interleave(H // Hkv, dim=1)  # (n, H, Dh)
-        vb = v[b, :n].double().repeat_interleave(H // Hkv, dim=1)
-        s = torch.einsum("hd,thd->ht", q[b].double(), kb) / math.sqrt(Dh)
-        out[b] = torch.einsum("ht,thd->hd", torch.softmax(s, dim=-1), vb)
-    return out.reshape(B, H * Dh)
-
-
 # ----------------------------------------------------------------------------- new K/V: norm, RoPE, store
 
 
@@ -327,23 +307,6 @@ def qkv_post(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch
         )
     return q_out
 
-
-def qkv_post_reference(qkv, pos, cos, sin, norm_w, n_heads, n_kv_heads, head_dim, eps):
-    """PyTorch `qkv_post` with the model's own ops (RMSNorm, apply_rope): returns q, k, v (B, *, Dh)."""
-    from tracerl.model.layers import apply_rope  # kernels never import model code at import time
-
-    B = qkv.shape[0]
-    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = q.view(B, 1, n_heads, head_dim)
-    k = k.view(B, 1, n_kv_heads, head_dim)
-    if norm_w is not None:
-        def norm(x, w):
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            return w.to(x.dtype) * h.to(x.dtype)
-        q, k = norm(q, norm_w[0]), norm(k, norm_w[1])
-    c, s = cos[pos.long()][:, None], sin[pos.long()][:, None]
-    return apply_rope(q, c, s)[:, 0], apply_rope(k, c, s)[:, 0], v.view(B, n_kv_heads, head_dim)
 
 
 @triton.jit

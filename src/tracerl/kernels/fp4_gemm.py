@@ -44,6 +44,12 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
+from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
+    dispatch_reference,
+    exact_values,
+    grouped_gemm_reference,
+    route_reference,
+)
 from tracerl.kernels.fp4_numerics import _e4m3_value
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -433,65 +439,6 @@ def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor,
     return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M)
 
 
-# ----------------------------------------------------------------------------- references
-
-
-def exact_values(q: fp4.FP4Tensor) -> torch.Tensor:
-    """float32 c * s8 (the block-scaled code, without the global scale): what the kernel dots."""
-    codes = fp4.unpack_codes(q).to(torch.int64)
-    vals = fp4.E2M1_VALUES.to(codes.device)[codes]
-    s = q.scales.to(torch.float32)
-    return (vals.reshape(*vals.shape[:-1], -1, 16) * s.unsqueeze(-1)).reshape(vals.shape)
-
-
-def grouped_gemm_reference(
-    a: torch.Tensor | fp4.FP4Tensor,
-    w: torch.Tensor | fp4.FP4Tensor,
-    offsets: torch.Tensor,
-    *,
-    row_idx: torch.Tensor | None = None,
-    swiglu: bool = False,
-    dst_idx: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    n_rows: int | None = None,
-    out_f32: bool = False,
-) -> torch.Tensor:
-    """PyTorch `grouped_gemm`: the same math in float64 (products exact), the same epilogue roundings."""
-    if isinstance(w, fp4.FP4Tensor):
-        E = w.shape[0]
-        wv = exact_values(w).double() / w.global_scale.reshape(E, 1, 1).double()
-    else:
-        wv = w.double()
-    if isinstance(a, fp4.FP4Tensor):
-        K = a.shape[-1]
-        av = exact_values(a).reshape(-1, K).double() / a.global_scale.reshape(-1, 1).double()
-    else:
-        av = a.double()
-    if row_idx is not None:
-        av = av[row_idx.long()]
-    N = n_rows if n_rows is not None else av.shape[0]
-    av = av[:N]
-    ends = offsets.long().tolist()
-    starts = [0] + ends[:-1]
-    O = wv.shape[1]
-    acc = torch.zeros(N, O, dtype=torch.float64, device=av.device)
-    for e, (s, t) in enumerate(zip(starts, ends)):
-        if t > s:
-            acc[s:t] = av[s:t] @ wv[e].T
-    acc = acc.float()
-    if swiglu:
-        F_ = O // 2
-        g = acc[:, :F_].to(torch.bfloat16)
-        u = acc[:, F_:].to(torch.bfloat16)
-        return torch.nn.functional.silu(g) * u
-    if dst_idx is not None:
-        y = acc.to(torch.bfloat16).float() * gate.float()[:, None]
-        out[dst_idx.long()] = y
-        return out
-    return acc if out_f32 else acc.to(torch.bfloat16)
-
-
 # ----------------------------------------------------------------------------- self-check
 
 
@@ -624,21 +571,3 @@ def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: 
                                  K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C,
                                  num_warps=4 if C <= 64 else 8)
     return offsets, tok, pair, gsort
-
-
-def route_reference(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
-    """PyTorch `route` (model/moe.py's rule)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    vals, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        vals = vals / vals.sum(-1, keepdim=True)
-    return ids.to(torch.int32), vals
-
-
-def dispatch_reference(ids: torch.Tensor, gates: torch.Tensor, num_experts: int):
-    """PyTorch `dispatch`: stable argsort by expert, as model/moe.py does."""
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
-    K = ids.shape[1]
-    return offsets, (order // K).to(torch.int32), order.to(torch.int32), gates.reshape(-1)[order].float()
