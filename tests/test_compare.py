@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tracerl import experiments
 from tracerl.compare_report import claims, pareto, write_report
-from tracerl.experiments import ROWS, Suite, config_hash, run_config, run_suite
+from tracerl.experiments import ROWS, Budget, Suite, config_hash, run_config, run_suite
 
 MICRO = """
 base:
@@ -47,8 +48,21 @@ def test_every_row_has_a_config_and_rows_differ(configs):
 def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     out = tmp_path / "reports"
     logs = []
+    # a spent budget starts nothing, yet writes a results.json that says what is missing
+    res = run_suite("micro", out, configs, log=logs.append, time_budget=0)
+    assert not res["complete"] and logs == [] and not res["runs"]
+    assert res["missing"] == ["study arith/bfloat16", "bf16/arith/0", "study arith/float32"]
+    report = write_report(out / "micro" / "results.json").read_text()
+    assert "Partial run" in report and "bf16/arith/0" in report
+    assert report.count("not measured in this run") == 4
+
     res = run_suite("micro", out, configs, log=logs.append)
+    assert res["complete"] and res["missing"] == []
     assert set(res["runs"]) == {"bf16/arith/0"} and set(res["ptq"]) == {"arith/0"}
+    # records are small JSON cells (committed); weights stay in the cache
+    cells = {p.name.split("-")[0] for p in (out / "micro" / "cells").iterdir()}
+    assert cells == {"run", "ptq", "study"}
+    assert not list((out / "micro" / "cells").glob("*.pt"))
     study = res["study"]["arith/bfloat16"]
     assert set(study["alignments"]) == {"none", "qat", "qat-r3", "trace", "trace-full"}
     assert len(study["sweep"]) == 9
@@ -91,3 +105,22 @@ def test_pareto_and_claims_logic():
     assert c["a"]["held"] and c["d"]["held"]
     align["trace"]["mismatch/kl_k3"] = 5e-6  # no longer a third of qat-r3's
     assert not claims(res)["a"]["held"]
+
+
+def test_budget_starts_a_cell_only_if_the_longest_of_its_kind_fits(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(experiments.time, "perf_counter", lambda: clock[0])
+    b = Budget(60)
+    assert b.allows("run")  # nothing known about runs yet: start one
+    clock[0] += 25
+    b.ran("run", 25)
+    assert b.allows("run")  # 25 elapsed + 25 <= 60
+    clock[0] += 25
+    b.ran("run", 25)
+    assert not b.allows("run") and b.allows("ptq")  # 50 + 25 > 60; a ptq cell has no estimate yet
+    assert Budget(None).allows("run")
+
+
+def test_claims_not_measured_when_rows_are_missing():
+    res = {"study": {}, "tasks": ["arith"], "runs": {}, "ptq": {}}
+    assert all(v["held"] is None for v in claims(res).values())

@@ -128,12 +128,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     tasks = args.tasks.split(",") if args.tasks else None
     results = run_suite(args.suite, out_root=args.out, configs_dir=args.configs,
-                        log=lambda s: console.log(s), only_study=args.study_only, tasks=tasks)
+                        log=lambda s: console.log(s), only_study=args.study_only, tasks=tasks,
+                        time_budget=args.time_budget)
     if tasks:
         console.print(f"cached {len(results['runs'])} runs of {tasks}; run without --tasks to write the report")
         return 0
     path = write_report(Path(args.out) / args.suite / "results.json")
-    console.print(f"wrote {path} ({len(results['runs'])} runs)")
+    left = f"; partial, {len(results['missing'])} cells left for a later call" if results["missing"] else ""
+    console.print(f"wrote {path} ({len(results['runs'])} runs{left})")
     return 0
 
 
@@ -157,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="reports")
     c.add_argument("--configs", default="configs/compare")
     c.add_argument("--study-only", action="store_true", help="only the matched-checkpoint mismatch study")
-    c.add_argument("--tasks", default=None, help="comma-separated subset of task families (fills the cache only)")
+    c.add_argument("--tasks", default=None, help="comma-separated subset of task families (fills the cells only)")
+    c.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new cell that would not finish within SECONDS; writes a partial report")
     c.set_defaults(fn=cmd_compare)
     x = sub.add_parser("export", help="export an HF checkpoint folder as compressed-tensors NVFP4")
     x.add_argument("--format", default="nvfp4")

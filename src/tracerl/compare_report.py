@@ -37,8 +37,13 @@ def _run_mean(rec: dict, key: str) -> float:
     return statistics.fmean(vals) if vals else float("nan")
 
 
+def _held(rows: list[tuple]) -> bool | None:
+    """All rows' last field true; None when nothing was measured (a partial suite)."""
+    return all(r[-1] for r in rows) if rows else None
+
+
 def claims(results: dict) -> dict[str, dict]:
-    """Evaluate the method's four claims on these results (each: held, and the numbers behind it)."""
+    """Evaluate the method's four claims (each: held True/False, or None if not measured, and the numbers)."""
     out = {}
     # claims are judged in the precision the RL runs used (bf16); the float32 study is a control
     # showing how little mismatch is left when upstream numerics agree to float32 rounding
@@ -49,25 +54,28 @@ def claims(results: dict) -> dict[str, dict]:
         a = st["alignments"]
         rows.append((key, a["trace"]["mismatch/kl_k3"], a["qat-r3"]["mismatch/kl_k3"], a["qat"]["mismatch/kl_k3"],
                      a["none"]["mismatch/kl_k3"]))
-    held_a = all(t < q / 3 and t < n / 3 for _, t, q, _, n in rows) if rows else False  # (key, trace, qat-r3, qat, none)
-    out["a"] = {"held": held_a, "rows": rows,
+    rows = [(*r, r[1] < r[2] / 3 and r[1] < r[4] / 3) for r in rows]  # (key, trace, qat-r3, qat, none, held)
+    out["a"] = {"held": _held(rows), "rows": rows,
                 "text": "trace's kl_k3 is below a third of fp4-qat-r3's and fp4-naive's on every task's fixed bf16 rollout batch"}
     # (b) trace reward comparable to bf16: final train reward within the seed spread (or 0.05)
     rb = []
     for task in results["tasks"]:
         tr_m, tr_s = _mean_sd(_row_values(results, "trace", task, _final_train_reward))
         bf_m, bf_s = _mean_sd(_row_values(results, "bf16", task, _final_train_reward))
-        tol = max(0.05, 2 * max(tr_s, bf_s)) if tr_m == tr_m else 0
+        if tr_m != tr_m or bf_m != bf_m:  # a row not run (partial suite)
+            continue
+        tol = max(0.05, 2 * max(tr_s, bf_s))
         rb.append((task, tr_m, bf_m, tol, tr_m >= bf_m - tol))
-    out["b"] = {"held": bool(rb) and all(r[-1] for r in rb), "rows": rb,
+    out["b"] = {"held": _held(rb), "rows": rb,
                 "text": "trace's final training reward (mean of the last 5 steps, over seeds) is within max(0.05, 2 sd) of bf16's"}
     # (c) trace's FP4 policy better than ptq (held-out accuracy as deployed in FP4)
     rc = []
     for task in results["tasks"]:
         t_m, _ = _mean_sd(_row_values(results, "trace", task, lambda r: r["final_eval"]["eval/reward"]))
         p_m, _ = _mean_sd([v["eval/reward"] for k, v in results["ptq"].items() if k.split("/")[0] == task])
-        rc.append((task, t_m, p_m, t_m > p_m))
-    out["c"] = {"held": bool(rc) and all(r[-1] for r in rc), "rows": rc,
+        if t_m == t_m and p_m == p_m:
+            rc.append((task, t_m, p_m, t_m > p_m))
+    out["c"] = {"held": _held(rc), "rows": rc,
                 "text": "trace's held-out reward deployed in w4a4kv4 exceeds ptq's (bf16-trained policy quantized post hoc)"}
     # (d) compact policy keeps most of trace-full's alignment at a small fraction of its bytes
     rd = []
@@ -77,7 +85,7 @@ def claims(results: dict) -> dict[str, dict]:
         kept = (base - comp) / (base - full) if base > full else float("nan")
         frac_bytes = a["trace"]["bytes_per_token"] / max(a["trace-full"]["bytes_per_token"], 1e-9)
         rd.append((key, kept, frac_bytes, kept >= 0.5 and frac_bytes <= 0.3))
-    out["d"] = {"held": bool(rd) and all(r[-1] for r in rd), "rows": rd,
+    out["d"] = {"held": _held(rd), "rows": rd,
                 "text": "the default compact policy removes >= 50% of the kl_k3 that trace-full removes (vs fp4-qat-r3) with <= 30% of its bytes"}
     return out
 
@@ -102,6 +110,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
     names = []
     for task in results["tasks"]:
+        if not any(k.split("/")[1] == task for k in results["runs"]):
+            continue  # nothing trained on this task yet (a partial suite)
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for row in results["rows"]:
             runs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
@@ -156,12 +166,17 @@ def write_report(results_path: str | Path) -> Path:
     L.append(f"Tasks {', '.join(results['tasks'])}; seeds {results['seeds']}; rows {', '.join(results['rows'])} + ptq. "
              f"FP4 rows and ptq are deployed as `{results['deploy_recipe']}`. Every figure below is read from "
              f"`results.json` by `tracerl.compare_report`.")
+    if not results.get("complete", True):
+        L += ["", f"**Partial run**: the time budget ran out before {len(results['missing'])} cells: "
+                  f"{', '.join(results['missing'])}. Re-running the same command resumes from the committed cells; "
+                  "claims below are judged only on what was run."]
     L += ["", "## Claims", ""]
     cl = claims(results)
     names = {"a": "(a) trace mismatch well below fp4-qat and fp4-naive", "b": "(b) trace reward comparable to bf16",
              "c": "(c) trace's FP4 policy better than ptq", "d": "(d) compact guidance keeps most of trace-full's alignment"}
+    verdict = {True: "held", False: "did not hold", None: "not measured in this run"}
     for k in "abcd":
-        L.append(f"- **{names[k]}: {'held' if cl[k]['held'] else 'did not hold'}.** Test: {cl[k]['text']}.")
+        L.append(f"- **{names[k]}: {verdict[cl[k]['held']]}.** Test: {cl[k]['text']}.")
     L += ["", "## Mismatch at a matched checkpoint (same FP4 rollout batch for every alignment)", ""]
     for key, st in results["study"].items():
         L.append(f"### {key} (trainer compute {st['dtype']}; {st['tokens_per_batch']} tokens)")

@@ -4,9 +4,17 @@ Rows (configs/compare/<row>.yaml, each a set of overrides on the suite's base co
   bf16, fp4-naive, fp4-tis, fp4-qat, fp4-qat-r3, trace, trace-full, and `ptq` (row 1's final
   policy quantized post hoc to w4a4kv4; evaluation only).
 For every task family and seed, one supervised warm start is shared by all rows (same weights,
-same seeds, so rows differ only in what they are about). Each (row, task, seed) run is cached
-under reports/<suite>/cache/<hash>.json by the hash of its full resolved config, so adding a row
-or a seed does not re-run the others, and an interrupted suite resumes where it stopped.
+same seeds, so rows differ only in what they are about). Each (row, task, seed) run's record is
+kept in reports/<suite>/cells/run-<hash>.json by the hash of its full resolved config, so adding a
+row or a seed does not re-run the others, and an interrupted suite resumes where it stopped. The
+cells are small JSON and are committed, which is how the GPU suite resumes across device sessions;
+weights (warm starts, final policies) live in reports/<suite>/cache/ and are not committed.
+
+A run can be given a time budget (`--time-budget`): work is done in priority order (the bf16
+study, then bf16 + ptq, trace, fp4-naive, fp4-qat-r3, fp4-qat, fp4-tis, trace-full, then the
+float32 control study) and no new cell is started once the budget would be exceeded by it (its
+cost estimated from the cells of the same kind already run in this process). results.json is
+then written with `complete: false` and the missing cells listed, and the report says so.
 
 Besides training, a controlled study at matched checkpoints: from each task's warm-start policy,
 one fixed FP4 rollout batch is scored by every alignment (none / qat / qat+R3 / trace / trace-full)
@@ -125,10 +133,10 @@ def _with(cfg: Config, overrides: list[str]) -> Config:
     return config_from_dict(cfg.to_dict(), overrides)
 
 
-def run_one(cfg: Config, warm: dict, cache: Path, log: Callable[[str], None]) -> dict:
-    """Train one row (cached by config hash); return its result record."""
+def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[str], None]) -> dict:
+    """Train one row (its record cached by config hash in `cells`); return the record."""
     h = config_hash(cfg)
-    path = cache / f"run-{h}.json"
+    path = cells / f"run-{h}.json"
     if path.exists():
         return json.loads(path.read_text())
     log(f"train {cfg.run.name}")
@@ -141,17 +149,26 @@ def run_one(cfg: Config, warm: dict, cache: Path, log: Callable[[str], None]) ->
     model_path = cache / f"model-{h}.pt"
     ckpt.save_atomic({"model": tr.model.state_dict()}, model_path)
     rec = {"name": cfg.run.name, "hash": h, "config": cfg.to_dict(), "history": history,
-           "final_eval": final, "wall_s": time.perf_counter() - t0, "model_path": model_path.name}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec))
-    tmp.replace(path)
+           "final_eval": final, "wall_s": time.perf_counter() - t0, "model_path": model_path.name,
+           "device": str(tr.device)}
+    _write_json(path, rec)
     return rec
+
+
+def _write_json(path: Path, obj: dict, indent: int | None = None) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    tmp.replace(path)
 
 
 def eval_ptq(cfg_bf16: Config, rec_bf16: dict, cache: Path) -> dict:
     """Row 8: the bf16 row's final policy quantized post hoc to w4a4kv4, evaluated as deployed."""
     tr = Trainer(_with(cfg_bf16, ["run.checkpoint_every=0", "run.eval_every=0"]))
-    tr.model.load_state_dict(ckpt.load(cache / rec_bf16["model_path"])["model"])
+    path = cache / rec_bf16["model_path"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the bf16 row's final weights are needed for ptq; they are not committed, "
+                                f"so delete its cell {rec_bf16['hash']} (cells/run-{rec_bf16['hash']}.json) to re-train it")
+    tr.model.load_state_dict(ckpt.load(path)["model"])
     eng = Engine(tr.model, qat.Recipe(DEPLOY, fmt=cfg_bf16.rollout.format), dtype=tr.engine.dtype, device=tr.device)
     r = evaluate(eng, tr.task, n=cfg_bf16.task.eval_prompts, max_new_tokens=tr.max_new_tokens)
     return {"eval/acc": r["acc"], "eval/reward": r["reward"]}
@@ -199,14 +216,38 @@ def mismatch_study(cfg: Config, warm: dict, suite: Suite, dtype_name: str) -> di
     return out
 
 
+ROW_PRIORITY = ("bf16", "trace", "fp4-naive", "fp4-qat-r3", "fp4-qat", "fp4-tis", "trace-full")
+
+
+class Budget:
+    """Wall-clock budget for starting new cells: a cell starts only if the elapsed time plus the
+    longest cell of the same kind seen so far (0 before the first) fits."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.t0 = time.perf_counter()
+        self.longest: dict[str, float] = {}
+
+    def allows(self, kind: str) -> bool:
+        """True if a `kind` cell may start now."""
+        if self.seconds is None:
+            return True
+        return time.perf_counter() - self.t0 + self.longest.get(kind, 0.0) <= self.seconds
+
+    def ran(self, kind: str, seconds: float) -> None:
+        """Record that a `kind` cell took `seconds`."""
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
 def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Path = "configs/compare",
               log: Callable[[str], None] = print, only_study: bool = False,
-              tasks: list[str] | None = None) -> dict:
+              tasks: list[str] | None = None, time_budget: float | None = None) -> dict:
     """Run (or resume) a suite; write reports/<suite>/results.json and return it.
 
-    `tasks` runs a subset of the suite's task families (e.g. one per process); results.json is
-    written only for a full run, so parallel partial runs fill the cache and a final full call
-    (all cached) assembles everything.
+    `tasks` runs a subset of the suite's task families (e.g. one per process) and writes no
+    results.json, so parallel partial runs fill the cells and a final call assembles everything.
+    `time_budget` (seconds) stops starting new cells once they would not fit; the results.json
+    written then has `complete: false` and lists what is missing.
     """
     suite = Suite.load(name, configs_dir)
     if tasks:
@@ -215,39 +256,79 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
             raise ValueError(f"tasks {sorted(unknown)} are not in suite {name!r} ({list(suite.tasks)})")
         suite.tasks = {t: suite.tasks[t] for t in tasks}
     out = Path(out_root) / name
-    cache = out / "cache"
+    cache, cells = out / "cache", out / "cells"
     cache.mkdir(parents=True, exist_ok=True)
+    cells.mkdir(parents=True, exist_ok=True)
     results: dict = {"suite": name, "tasks": list(suite.tasks), "seeds": suite.seeds, "rows": suite.rows,
                      "runs": {}, "ptq": {}, "study": {}, "deploy_recipe": DEPLOY}
-    t_start = time.perf_counter()
+    budget = Budget(time_budget)
+    missing: list[str] = []
+    rows = sorted(suite.rows, key=ROW_PRIORITY.index)
+
+    def cell(kind: str, label: str, path: Path, compute: Callable[[], dict]) -> dict | None:
+        """The cached record at `path`, or compute it if the budget allows (None: left for later)."""
+        old = cache / path.name  # records used to live beside the weights
+        if not path.exists() and old.exists():
+            old.replace(path)
+        if path.exists():
+            return json.loads(path.read_text())
+        if not budget.allows(kind):
+            missing.append(label)
+            return None
+        t0 = time.perf_counter()
+        rec = compute()
+        budget.ran(kind, time.perf_counter() - t0)
+        _write_json(path, rec)
+        return rec
+
+    warm_cache: dict = {}
+
+    def warm_for(cfg: Config) -> dict:
+        key = (cfg.task.name, cfg.train.seed)
+        if key not in warm_cache:
+            warm_cache[key] = _warm_state(cfg, cache, log)
+        return warm_cache[key]
+
     for task in suite.tasks:
         for seed in suite.seeds:
             base_cfg = run_config(suite, "trace", task, seed, out, configs_dir)
-            warm = _warm_state(base_cfg, cache, log)
-            if seed == suite.seeds[0]:
-                for dt in ("float32", "bfloat16"):
-                    key = f"study-{task}-{dt}-{config_hash(base_cfg)}"
-                    p = cache / f"{key}.json"
-                    if not p.exists():
-                        log(f"mismatch study {task} ({dt})")
-                        p.write_text(json.dumps(mismatch_study(base_cfg, warm, suite, dt)))
-                    results["study"][f"{task}/{dt}"] = json.loads(p.read_text())
-            if only_study:
-                continue
-            for row in suite.rows:
-                cfg = run_config(suite, row, task, seed, out, configs_dir)
-                rec = run_one(cfg, warm, cache, log)
-                results["runs"][f"{row}/{task}/{seed}"] = {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s")}
-                if row == "bf16":
-                    p = cache / f"ptq-{rec['hash']}.json"
-                    if not p.exists():
-                        p.write_text(json.dumps(eval_ptq(cfg, rec, cache)))
-                    results["ptq"][f"{task}/{seed}"] = json.loads(p.read_text())
+            # bf16 (the RL precision, on which claims are judged) first; float32 is a control, last
+            dtypes = ("bfloat16", "float32") if seed == suite.seeds[0] else ()
+
+            def study(dt: str, task: str = task, base_cfg: Config = base_cfg) -> None:
+                label = f"{task}/{dt}"
+                p = cells / f"study-{task}-{dt}-{config_hash(base_cfg)}.json"
+                if not p.exists() and budget.allows("study"):
+                    log(f"mismatch study {task} ({dt})")
+                rec = cell("study", f"study {label}", p, lambda: mismatch_study(base_cfg, warm_for(base_cfg), suite, dt))
+                if rec is not None:
+                    results["study"][label] = rec
+
+            if dtypes:
+                study(dtypes[0])
+            if not only_study:
+                for row in rows:
+                    cfg = run_config(suite, row, task, seed, out, configs_dir)
+                    key = f"{row}/{task}/{seed}"
+                    rec = cell("run", key, cells / f"run-{config_hash(cfg)}.json",
+                               lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
+                    if rec is None:
+                        continue
+                    results["runs"][key] = {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s")}
+                    if row == "bf16":
+                        p = cells / f"ptq-{rec['hash']}.json"
+                        ptq = cell("ptq", f"ptq/{task}/{seed}", p, lambda cfg=cfg, rec=rec: eval_ptq(cfg, rec, cache))
+                        if ptq is not None:
+                            results["ptq"][f"{task}/{seed}"] = ptq
+            for dt in dtypes[1:]:
+                study(dt)
     bench = Path("bench/results/rollout_h200.json")
     if bench.exists():
         results["gpu_bench"] = json.loads(bench.read_text())
-    results["wall_s"] = time.perf_counter() - t_start
+    results["wall_s"] = time.perf_counter() - budget.t0
     results["run_wall_s_total"] = sum(r["wall_s"] for r in results["runs"].values())
+    results["complete"] = not missing
+    results["missing"] = missing
     if not tasks:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        _write_json(out / "results.json", results, indent=1)
     return results
