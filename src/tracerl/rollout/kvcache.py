@@ -18,12 +18,15 @@ import torch
 
 from tracerl import fp4
 from tracerl.rollout.attention import split_kv_attention
+from tracerl.rollout.recorder import site_dequantize, site_quantize
 
 
 class KVObserver(Protocol):
     """Receives each layer's quantized K/V (for guidance recording)."""
 
-    def observe(self, site: str, q: fp4.FP4Tensor, scaled: torch.Tensor) -> None: ...
+    def needs_scaled(self, site: str) -> bool: ...
+
+    def observe(self, site: str, q: fp4.FP4Tensor, scaled: torch.Tensor | None) -> None: ...
 
 
 class _SlotCache:
@@ -109,14 +112,16 @@ class FP4KVCache(_SlotCache):
         return n + (self.gscale.numel() * 4 if self.gscale is not None else 0)
 
     def _store(self, kv: int, layer: int, x: torch.Tensor) -> None:
-        q, scaled = fp4._quantize_with_values(x, self.fmt, "rtn", per_row_global=True, name="kv_cache")
+        site = f"layers.{layer}.attn.{'kv'[kv]}_cache"
+        need = self.observer is not None and self.observer.needs_scaled(site)
+        q, scaled = site_quantize(x, self.fmt, need_scaled=need, name=site)
         end = self.start + x.shape[1]
         self.codes[kv, layer, self.rows, self.start:end] = q.codes
         self.scales[kv, layer, self.rows, self.start:end] = q.scales.view(torch.uint8)
         if self.gscale is not None:
             self.gscale[kv, layer, self.rows, self.start:end] = q.global_scale
         if self.observer is not None:
-            self.observer.observe(f"layers.{layer}.attn.{'kv'[kv]}_cache", q, scaled)
+            self.observer.observe(site, q, scaled)
 
     def _load(self, kv: int, layer: int, end: int) -> torch.Tensor:
         spec = fp4.FORMATS[self.fmt]
@@ -128,7 +133,7 @@ class FP4KVCache(_SlotCache):
             fmt=self.fmt,
             shape=torch.Size((*codes.shape[:-1], self.head_dim)),
         )
-        return fp4.dequantize(q, self.dtype)
+        return site_dequantize(q, self.dtype)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store k, v (B, S_new, Hkv, D); return all K/V (dequantized) up to the new tokens."""
