@@ -12,12 +12,14 @@ import torch
 def group_advantages(rewards_N: torch.Tensor, group_N: torch.Tensor, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: reward minus its group mean, divided by the group std (unbiased=False) if `scale`."""
     groups, inv = torch.unique(group_N, return_inverse=True)
-    n_g = torch.zeros(len(groups), dtype=rewards_N.dtype).index_add_(0, inv, torch.ones_like(rewards_N))
-    mean_g = torch.zeros(len(groups), dtype=rewards_N.dtype).index_add_(0, inv, rewards_N) / n_g
+    inv = inv.to(rewards_N.device)
+    zeros = dict(dtype=rewards_N.dtype, device=rewards_N.device)
+    n_g = torch.zeros(len(groups), **zeros).index_add_(0, inv, torch.ones_like(rewards_N))
+    mean_g = torch.zeros(len(groups), **zeros).index_add_(0, inv, rewards_N) / n_g
     centred = rewards_N - mean_g[inv]
     if not scale:
         return centred
-    var_g = torch.zeros(len(groups), dtype=rewards_N.dtype).index_add_(0, inv, centred**2) / n_g
+    var_g = torch.zeros(len(groups), **zeros).index_add_(0, inv, centred**2) / n_g
     return centred / (var_g.sqrt()[inv] + eps)
 
 
