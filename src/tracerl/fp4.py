@@ -91,6 +91,14 @@ class FP4Tensor:
         return FP4Tensor(self.codes.to(device), self.scales.to(device), gs, self.fmt, self.shape)
 
 
+def select_rows(t: torch.Tensor, index) -> torch.Tensor:
+    """t[index] (leading-dim rows); float8 tensors (block scales) are indexed through their uint8 bits,
+    since not every torch release has CUDA index kernels for every float8 dtype."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return t.view(torch.uint8)[index].view(t.dtype)
+    return t[index]
+
+
 @dataclass
 class RoundingGuide:
     """Rollout-recorded decisions that steer rounding (TRACE guided rounding).

@@ -157,25 +157,37 @@ class GuidanceRecord:
 
     def rows(self, index: torch.Tensor | slice) -> GuidanceRecord:
         """The record for a subset of the leading-dim rows (e.g. a micro-batch of sequences)."""
+        dev = self.device
+        if isinstance(index, torch.Tensor):
+            index = index.to(dev)  # e.g. the trainer's micro-batch rows, made on its device
         if self.encoding == "ties" and self.fields != "scales":
             g = self.rounding_guide()  # dense view, re-encoded below for the selected rows
             lead = self.shape[0]
-            sel = torch.arange(lead)[index]
+            sel = torch.arange(lead, device=dev)[index]
             mask = g.mask[sel]
             out = GuidanceRecord(self.fmt, "ties", self.fields, tuple(mask.shape), delta=self.delta)
             out._set_ties(mask, g.bit[sel])
             if self.scales is not None:
-                out.scales = self.scales[index]
+                out.scales = fp4.select_rows(self.scales, index)
                 out.global_scale = self.global_scale[index] if self.global_scale is not None else None
             return out
         def take(t):
-            return None if t is None else t[index]
-        n_rows = torch.arange(self.shape[0])[index].numel()
+            return None if t is None else fp4.select_rows(t, index)
+        n_rows = torch.arange(self.shape[0], device=dev)[index].numel()
         return GuidanceRecord(
             self.fmt, self.encoding, self.fields, (n_rows, *self.shape[1:]), self.delta,
             scales=take(self.scales), global_scale=take(self.global_scale),
             codes=take(self.codes), lsb=take(self.lsb),
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the record's tensors live (CPU for a record without tensors)."""
+        for n in _TENSOR_FIELDS:
+            t = getattr(self, n)
+            if t is not None:
+                return t.device
+        return torch.device("cpu")
 
     def to(self, device: torch.device | str, *, pin: bool = False) -> GuidanceRecord:
         """Move every tensor to `device` (pinned host memory with pin=True, for offloading)."""
@@ -183,7 +195,8 @@ class GuidanceRecord:
             if t is None:
                 return None
             t = t.to(device)
-            return t.pin_memory() if pin and torch.cuda.is_available() else t
+            # only host tensors can be pinned (pin=True with a CUDA device just moves)
+            return t.pin_memory() if pin and t.device.type == "cpu" and torch.cuda.is_available() else t
         return GuidanceRecord(
             self.fmt, self.encoding, self.fields, self.shape, self.delta,
             *(mv(getattr(self, n)) for n in _TENSOR_FIELDS),

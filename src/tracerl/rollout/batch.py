@@ -84,4 +84,5 @@ class RolloutBatch:
 def _fp4_rows(q: fp4.FP4Tensor, rows: torch.Tensor) -> fp4.FP4Tensor:
     gs = None if q.global_scale is None else q.global_scale[rows]
     codes = q.codes[rows]
-    return fp4.FP4Tensor(codes, q.scales[rows], gs, q.fmt, torch.Size((*codes.shape[:-1], q.shape[-1])))
+    return fp4.FP4Tensor(codes, fp4.select_rows(q.scales, rows), gs, q.fmt,
+                         torch.Size((*codes.shape[:-1], q.shape[-1])))
