@@ -43,7 +43,7 @@ def collect(engine: Engine, task, prompts: list[T.Prompt], *, samples_per_prompt
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             stop=(tok.eos_id,), n=samples_per_prompt)
     batch = engine.generate(_prompt_ids(task, prompts), params, seed=seed)
-    rows = [prompts[int(j)] for j in batch.prompt_index]
+    rows = [prompts[j] for j in batch.prompt_index.tolist()]
     if not getattr(task, "multi_turn", False):
         completions = [decode(tok, batch.responses(i)) for i in range(len(batch))]
         rewards = T.rewards(task, rows, completions)

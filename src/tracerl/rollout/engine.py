@@ -217,13 +217,17 @@ class Engine:
         active = active.clone()
         while bool(active.any()) and st.cur < self.max_len:
             rows = active.nonzero().squeeze(-1)
-            forced = torch.tensor([len(pending[int(r)]) > 0 for r in rows], dtype=torch.bool, device=self.device)
+            # one device->host copy of the running slots per step (not one sync per row)
+            row_ids = rows.tolist()
+            is_forced = [len(pending[r]) > 0 for r in row_ids]
+            forced = torch.tensor(is_forced, dtype=torch.bool, device=self.device)
             tok = torch.empty(len(rows), dtype=torch.long, device=self.device)
             lp = torch.zeros(len(rows), device=self.device)
-            if bool(forced.any()):
-                tok[forced] = torch.tensor([pending[int(r)].popleft() for r in rows[forced]], device=self.device)
+            if any(is_forced):
+                tok[forced] = torch.tensor([pending[r].popleft() for r, f in zip(row_ids, is_forced) if f],
+                                           device=self.device)
             sampled = ~forced
-            if bool(sampled.any()):
+            if not all(is_forced):
                 t, l = sample(st.next_logits[rows[sampled]], params, gen)
                 tok[sampled], lp[sampled] = t, l
             c = st.cur
