@@ -113,9 +113,14 @@ def test_calibration_ignores_padding(model):
     base = calibrate_input_amax(model, [ids])
     big = torch.full((1, 4), 5)
     padded = calibrate_input_amax(model, [(torch.cat([big, ids], 1), torch.cat([torch.zeros(1, 4), torch.ones(1, 8)], 1))])
-    # left padding moves no real token's activations (up to float noise), so the maxima agree
+    # left padding moves no real token's activations (up to float noise: the model is bf16, so one
+    # bf16 ulp, 2^-7 relative, at a site whose maximum went through a longer reduction)
     for site, v in base.items():
-        torch.testing.assert_close(padded[site], v, rtol=1e-3, atol=1e-4, msg=site)
+        torch.testing.assert_close(padded[site], v, rtol=2**-7, atol=1e-4, msg=site)
+    # and counting the padding would move most maxima by far more (so this test can fail)
+    unmasked = calibrate_input_amax(model, [torch.cat([big, ids], 1)])
+    moved = sum(bool((unmasked[s] - v).abs() > v / 64) for s, v in base.items())
+    assert moved > len(base) // 2
 
 
 def test_export_from_hf_folder_and_errors(model, tmp_path):

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fp4_refs import ct_mxfp4, ct_nvfp4
@@ -193,6 +193,9 @@ def test_stochastic_rounding_is_unbiased(fmt):
     st.sampled_from(["nvfp4", "mxfp4"]),
     st.sampled_from([False, True]),
 )
+# found by CI: the block maximum lands exactly on code 6 (half step 0), and code * e4m3 scale *
+# global scale in float32 is a rounding of x, one ulp off
+@example([0.0] * 31 + [208.1141815185547], "nvfp4", False)
 def test_properties_idempotent_error_bound_sign(values, fmt, per_row):
     x = torch.tensor(values, dtype=torch.float32).reshape(1, 32)
     q = fp4.quantize(x, fmt, per_row_global=per_row)
@@ -206,7 +209,9 @@ def test_properties_idempotent_error_bound_sign(values, fmt, per_row):
     half_step = (fp4.E2M1_MAGNITUDES[hi] - fp4.E2M1_MAGNITUDES[lo]) / 2
     inside = a <= 6
     err = (d - x).abs()
-    assert (err[inside] <= (half_step * mult)[inside] * (1 + 1e-6) + 1e-30).all()
+    # the float32 products code * scale * global_scale are themselves rounded: allow 2 ulp of x
+    ulp = 2 * torch.finfo(torch.float32).eps * x.abs()
+    assert (err[inside] <= (half_step * mult)[inside] * (1 + 1e-6) + ulp[inside] + 1e-30).all()
     # idempotent with the same scales: re-quantizing the dequantized values changes nothing
     again = fp4.quantize(d, fmt, "guided", guide=fp4.RoundingGuide(scales=q.scales, global_scale=q.global_scale))
     assert torch.equal(fp4.dequantize(again, torch.float32), d)
