@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
 # The GPU comparison suite on the lent GPU, resumable across calls and device sessions.
 # Run from the repo root on the device (torch + triton there; tracerl not installed):
-#     OUT=/path/to/out COMPARE_BUDGET=400 bash bench/device_compare.sh
+#     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] bash bench/device_compare.sh
 # 1. CUDA tests of the engine/trainer paths (skipped if TESTS=0);
 # 2. `tracerl compare --suite ${SUITE:-small} --time-budget $COMPARE_BUDGET` writing into reports/
 #    (cells already committed under reports/<suite>/cells are reused; weights stay in
 #    reports/<suite>/cache on the machine, so a second call while it is warm reuses them too);
-# 3. copies reports/<suite>/{cells,results.json,report.md,*.png} and the logs to $OUT.
-# Locally afterwards: copy $OUT/reports/<suite>/cells into reports/<suite>/cells and run
+# 3. packs reports/<suite> (without the weights in cache/) as $OUT/reports_<suite>.tgz, beside the logs.
+# Locally afterwards: `tar xzf reports_<suite>.tgz -C reports` (adds the new cells) and run
 # `tracerl compare --suite <suite> --time-budget 0` to assemble the (partial) report from cells.
 set -u
 OUT=${OUT:-out/device_compare}
 SUITE=${SUITE:-small}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-copy_back() {
-  mkdir -p "$OUT/reports/$SUITE"
-  cp -r "reports/$SUITE/cells" "$OUT/reports/$SUITE/" 2>/dev/null
-  cp reports/"$SUITE"/*.json reports/"$SUITE"/*.md reports/"$SUITE"/*.png "$OUT/reports/$SUITE/" 2>/dev/null
+copy_back() {  # $OUT returns at most 8 files, 2 folders down: the suite's records travel as one tar
+  # records only: cache/ (weights) and runs/ (checkpoints, logs) are GBs and would not come back
+  (cd reports && tar czf "$OUT/reports_$SUITE.tgz" "$SUITE/cells" $(cd "$SUITE" 2>/dev/null && ls *.json *.md *.png 2>/dev/null | sed "s|^|$SUITE/|")) 2>/dev/null
   nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/env.txt" 2>&1
 }
 trap copy_back EXIT
@@ -32,5 +31,5 @@ if [ "${TESTS:-1}" = 1 ]; then
     --durations=10 2>&1 | tee "$OUT/cuda_tests.log"
 fi
 timeout "${COMPARE_TIMEOUT:-$(( ${COMPARE_BUDGET:-400} + 60 ))}" python3 -m tracerl.cli compare --suite "$SUITE" \
-  --out reports --time-budget "${COMPARE_BUDGET:-400}" 2>&1 | tee -a "$OUT/compare.log"
+  --out reports --time-budget "${COMPARE_BUDGET:-400}" ${TASKS:+--tasks $TASKS} 2>&1 | tee -a "$OUT/compare.log"
 echo "compare exit ${PIPESTATUS[0]}" | tee -a "$OUT/compare.log"

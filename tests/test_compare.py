@@ -54,7 +54,7 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     assert res["missing"] == ["study arith/bfloat16", "bf16/arith/0", "study arith/float32"]
     report = write_report(out / "micro" / "results.json").read_text()
     assert "Partial run" in report and "bf16/arith/0" in report
-    assert report.count("not measured in this run") == 4
+    assert report.count("not measured in this run") == 8  # the four claims and their details
 
     res = run_suite("micro", out, configs, log=logs.append)
     assert res["complete"] and res["missing"] == []
@@ -86,6 +86,44 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     assert (out / "micro" / "reward_arith.png").exists() and (out / "micro" / "pareto_arith_bfloat16.png").exists()
     on_disk = json.loads((out / "micro" / "results.json").read_text())
     assert on_disk["runs"]["trace/arith/0"]["history"][-1]["step"] == 2
+    # the baseline rollout is timed warm, so the report shows the recording overhead
+    assert study["overhead_timing"] == "warmed" and "Recording overhead not shown" not in report
+
+    # a checkout that has only results.json (suites run before cells were committed) restores the
+    # cells from it, so the report re-renders complete without training anything
+    shutil.rmtree(out / "micro" / "cells")
+    logs.clear()
+    again = run_suite("micro", out, configs, log=logs.append, time_budget=0)
+    assert again["complete"] and set(again["runs"]) == set(res["runs"]) and set(again["study"]) == set(res["study"])
+    assert logs == ["restored 5 cells from " + str(out / "micro" / "results.json")]
+    # ... but not a record whose config changed since
+    shutil.rmtree(out / "micro" / "cells")
+    (configs / "suite-micro.yaml").write_text(text.replace("train: {steps: 2,", "train: {steps: 3,"))
+    changed = run_suite("micro", out, configs, log=logs.append, time_budget=0)
+    assert not changed["runs"] and "bf16/arith/0" in changed["missing"]
+
+
+def test_run_config_does_not_leak_one_tasks_overrides_into_another(configs):
+    suite = Suite.load("tiny", configs)
+    alone = config_hash(run_config(suite, "bf16", "arith", 0, Path("/tmp/x"), configs))
+    run_config(suite, "bf16", "maze", 0, Path("/tmp/x"), configs)  # maze overrides rollout/train/warm_start
+    assert config_hash(run_config(suite, "bf16", "arith", 0, Path("/tmp/x"), configs)) == alone
+
+
+def test_report_hides_overhead_timed_cold_and_says_what_was_not_measured(tmp_path):
+    align = {k: {"mismatch/kl_k3": 1e-5, "mismatch/logp_abs_diff_mean": 1e-3, "mismatch/frac_ratio_outside_0.5_2": 0.0,
+                 "bytes_per_token": 10} for k in ("none", "qat", "qat-r3", "trace", "trace-full")}
+    sweep = [{"layers": "all", "encoding": "lsb", "bytes_per_token": 10, "mismatch/kl_k3": 1e-6, "recording_overhead": -0.86}]
+    res = {"suite": "x", "tasks": ["arith"], "seeds": [0], "rows": ["bf16"], "deploy_recipe": "w4a4kv4", "runs": {},
+           "ptq": {}, "complete": False, "missing": ["bf16/arith/0"],
+           "study": {"arith/bfloat16": {"dtype": "bfloat16", "tokens_per_batch": 9, "alignments": align, "sweep": sweep}}}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    report = write_report(tmp_path / "results.json").read_text()
+    assert "-86%" not in report and "Recording overhead not shown" in report
+    assert "(b) trace reward comparable to bf16: not measured in this run" in report
+    res["study"]["arith/bfloat16"]["overhead_timing"] = "warmed"
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert "| -86% |" in write_report(tmp_path / "results.json").read_text()
 
 
 def test_pareto_and_claims_logic():

@@ -23,6 +23,11 @@ def _f(x: float, sci: bool = False) -> str:
     return f"{x:.2e}" if sci else f"{x:.3f}"
 
 
+def _pm(ms: tuple[float, float]) -> str:
+    """'mean +- sd', or '-' where nothing was measured."""
+    return "-" if ms[0] != ms[0] else f"{_f(ms[0])} +- {_f(ms[1])}"
+
+
 def _row_values(results: dict, row: str, task: str, fn) -> list[float]:
     return [fn(r) for k, r in results["runs"].items() if k.split("/")[0] == row and k.split("/")[1] == task]
 
@@ -199,9 +204,14 @@ def write_report(results_path: str | Path) -> Path:
         L.append("CachePolicy sweep (trace + R3 on the same prompts):")
         L.append("| layers | encoding | bytes/token | kl_k3 | flips/act_frac | recording overhead |")
         L.append("| --- | --- | --- | --- | --- | --- |")
+        warmed = st.get("overhead_timing") == "warmed"
         for m in st["sweep"]:
+            overhead = f"{m['recording_overhead'] * 100:+.0f}%" if warmed else "-"
             L.append(f"| {m['layers']} | {m['encoding']} | {m['bytes_per_token']:.0f} | {_f(m['mismatch/kl_k3'], True)} | "
-                     f"{_f(m.get('flips/act_frac', float('nan')), True)} | {m['recording_overhead'] * 100:+.0f}% |")
+                     f"{_f(m.get('flips/act_frac', float('nan')), True)} | {overhead} |")
+        if not warmed:
+            L += ["", "(Recording overhead not shown: this study timed its unrecorded baseline rollout cold, "
+                      "compilation included; studies run since time it after a warm-up pass.)"]
         front = pareto(st["sweep"])
         L.append("")
         L.append("Pareto front (bytes/token -> kl_k3): " + ", ".join(
@@ -213,27 +223,31 @@ def write_report(results_path: str | Path) -> Path:
         L += ["## Reward", ""]
         L.append("Final training reward (mean of the last 5 steps) and held-out reward/accuracy as deployed, mean +- sd over seeds.")
         L.append("")
-        L.append("| row | " + " | ".join(f"{t} train | {t} held-out reward | {t} held-out acc" for t in results["tasks"]) + " |")
-        L.append("| --- |" + " --- | --- | --- |" * len(results["tasks"]))
+        # a partial run leaves out tasks with no run yet, and shows not-yet-run rows as "-"
+        run_tasks = [t for t in results["tasks"] if any(k.split("/")[1] == t for k in results["runs"])]
+        L.append("| row | " + " | ".join(f"{t} train | {t} held-out reward | {t} held-out acc" for t in run_tasks) + " |")
+        L.append("| --- |" + " --- | --- | --- |" * len(run_tasks))
         for row in results["rows"]:
             cells = []
-            for t in results["tasks"]:
+            for t in run_tasks:
                 tr = _mean_sd(_row_values(results, row, t, _final_train_reward))
                 ev = _mean_sd(_row_values(results, row, t, lambda r: r["final_eval"]["eval/reward"]))
                 ac = _mean_sd(_row_values(results, row, t, lambda r: r["final_eval"]["eval/acc"]))
-                cells.append(f"{_f(tr[0])} +- {_f(tr[1])} | {_f(ev[0])} +- {_f(ev[1])} | {_f(ac[0])} +- {_f(ac[1])}")
+                cells.append(f"{_pm(tr)} | {_pm(ev)} | {_pm(ac)}")
             L.append(f"| {row} | " + " | ".join(cells) + " |")
         cells = []
-        for t in results["tasks"]:
+        for t in run_tasks:
             ev = _mean_sd([v["eval/reward"] for k, v in results["ptq"].items() if k.split("/")[0] == t])
             ac = _mean_sd([v["eval/acc"] for k, v in results["ptq"].items() if k.split("/")[0] == t])
-            cells.append(f"- | {_f(ev[0])} +- {_f(ev[1])} | {_f(ac[0])} +- {_f(ac[1])}")
+            cells.append(f"- | {_pm(ev)} | {_pm(ac)}")
         L.append("| ptq | " + " | ".join(cells) + " |")
         L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
         L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
         L.append("| --- | --- | --- | --- | --- | --- | --- |")
         for row in results["rows"]:
-            for t in results["tasks"]:
+            for t in run_tasks:
+                if not _row_values(results, row, t, lambda r: 0.0):
+                    continue
                 def mean(key, row=row, t=t):
                     return _mean_sd(_row_values(results, row, t, lambda r: _run_mean(r, key)))[0]
                 L.append(f"| {row} | {t} | {_f(mean('mismatch/kl_k3'), True)} | {_f(mean('flips/act_frac'), True)} | "
@@ -241,6 +255,9 @@ def write_report(results_path: str | Path) -> Path:
         L.append("")
     L += ["## Claim details", ""]
     for k in "abcd":
+        if not cl[k]["rows"]:
+            L.append(f"- {names[k]}: not measured in this run")
+            continue
         L.append(f"- {names[k]}: " + "; ".join(", ".join(_f(v, True) if isinstance(v, float) else str(v) for v in r)
                                               for r in cl[k]["rows"]))
     if "gpu_bench" in results:
