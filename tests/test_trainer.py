@@ -143,6 +143,29 @@ def test_cli_train_writes_metrics_plot_and_resumes(tmp_path):
     assert main(["train", "--config", "configs/tiny-arith.yaml", "train.bogus=1"]) == 2
 
 
+def test_cli_eval_uses_the_runs_device_and_dtype(tmp_path, monkeypatch, capsys):
+    import tracerl.rollout
+    from tracerl.cli import main
+
+    assert main(["train", "--config", "configs/tiny-arith.yaml", f"run.out_dir={tmp_path}", "run.name=ev", *FAST,
+                 "train.steps=1", "train.compute_dtype=float32", "run.device=cpu"]) == 0
+    built = []
+    real = tracerl.rollout.Engine
+
+    def spy(*a, **kw):
+        built.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tracerl.rollout, "Engine", spy)
+    # a machine with a GPU must not turn a CPU float32 run's eval into a bf16 engine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "ev"), "--n", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 1 and 0.0 <= out["acc"] <= 1.0
+    assert built[-1]["dtype"] == torch.float32 and torch.device(built[-1]["device"]).type == "cpu"
+
+
 @pytest.mark.slow
 def test_demo_reward_rises(tmp_path):
     cfg = load_config("configs/tiny-arith.yaml", [f"run.out_dir={tmp_path}", "run.name=demo"])

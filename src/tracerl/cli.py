@@ -90,9 +90,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tracerl import model as M
     from tracerl import qat
     from tracerl import tasks as T
-    from tracerl.config import load_config
+    from tracerl.config import config_from_dict, load_config
     from tracerl.rl import checkpoint as ckpt
     from tracerl.rl.evaluate import evaluate
+    from tracerl.rl.trainer import resolve_device, rollout_dtype
     from tracerl.rollout import Engine
 
     run = Path(args.run)
@@ -102,7 +103,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model.load_state_dict(state["model"])
     task = T.get(cfg.task.name, **cfg.task.options)
     recipe = qat.Recipe(args.recipe or cfg.rollout.recipe, fmt=cfg.rollout.format, sites=cfg.rollout.sites)
-    engine = Engine(model, recipe, dtype=torch.float32 if not torch.cuda.is_available() else torch.bfloat16)
+    # the run's own device and rollout dtype (not "bf16 whenever a GPU exists", which built a bf16
+    # engine on the CPU model of a run.device=cpu run)
+    if args.device:
+        cfg = config_from_dict(cfg.to_dict(), [f"run.device={args.device}"])
+    device = resolve_device(cfg)
+    compute = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
+    engine = Engine(model, recipe, dtype=rollout_dtype(device, compute), device=device)
     r = evaluate(engine, task, n=args.n, max_new_tokens=cfg.rollout.max_new_tokens or task.max_new_tokens)
     console.print_json(json.dumps({"run": str(run), "step": state["step"], "recipe": recipe.name, **r}))
     return 0
@@ -153,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run", required=True)
     e.add_argument("--recipe", default=None, help="deploy precision (default: the run's rollout recipe)")
     e.add_argument("--n", type=int, default=128)
+    e.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: the run's run.device")
     e.set_defaults(fn=cmd_eval)
     c = sub.add_parser("compare", help="the TRACE comparison matrix (configs/compare/)")
     c.add_argument("--suite", default="tiny", help="configs/compare/suite-<name>.yaml")

@@ -45,12 +45,18 @@ class TrainingDiverged(RuntimeError):
     """A NaN/inf loss or weights: the run stops and the last good checkpoint is kept."""
 
 
-def _device(cfg: Config) -> torch.device:
+def resolve_device(cfg: Config) -> torch.device:
+    """The device a run's config asks for (`run.device`: auto, cpu or cuda)."""
     if cfg.run.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("run.device=cuda but CUDA is not available; use run.device=cpu")
     return torch.device(cfg.run.device)
+
+
+def rollout_dtype(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
+    """The engine's dtype: bf16 on the GPU (as a serving engine runs), else the trainer's compute dtype."""
+    return torch.bfloat16 if device.type == "cuda" or compute_dtype == torch.bfloat16 else torch.float32
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -64,7 +70,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, resume: bool = False, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.log = log or (lambda s: None)
-        self.device = _device(cfg)
+        self.device = resolve_device(cfg)
         if self.device.type == "cpu" and cfg.run.cpu_threads > 0:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -98,8 +104,8 @@ class Trainer:
             cfg.save(self.dir / "config.yaml")
             (self.dir / "metrics.jsonl").write_text("")
         self.engine = Engine(self.model, self.recipe, self.policy if cfg.train.alignment == "trace" else None,
-                             dtype=torch.bfloat16 if self.device.type == "cuda" or self.compute_dtype == torch.bfloat16
-                             else torch.float32, device=self.device, diagnostics=cfg.rollout.diagnostics)
+                             dtype=rollout_dtype(self.device, self.compute_dtype), device=self.device,
+                             diagnostics=cfg.rollout.diagnostics)
         self._tb = None
 
     # ------------------------------------------------------------------ lifecycle
