@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tracerl import experiments
-from tracerl.compare_report import claims, pareto, write_report
+from tracerl.compare_report import claims, pareto, pick_default_policy, write_report
 from tracerl.experiments import ROWS, Budget, Suite, config_hash, run_config, run_suite
 
 MICRO = """
@@ -162,3 +162,24 @@ def test_budget_starts_a_cell_only_if_the_longest_of_its_kind_fits(monkeypatch):
 def test_claims_not_measured_when_rows_are_missing():
     res = {"study": {}, "tasks": ["arith"], "runs": {}, "ptq": {}}
     assert all(v["held"] is None for v in claims(res).values())
+
+
+def test_default_policy_rule_keeps_most_of_the_reduction_and_skips_negligible_studies():
+    def study(qat_r3, kls):
+        sweep = [{"layers": lay, "encoding": "lsb", "bytes_per_token": b, "mismatch/kl_k3": kl}
+                 for (lay, b), kl in zip((("all", 400), ("deepest half", 200), ("deepest quarter", 100)), kls)]
+        return {"dtype": "bfloat16", "alignments": {"qat-r3": {"mismatch/kl_k3": qat_r3}}, "sweep": sweep}
+
+    # half keeps (1e-3 - 1e-4) / (1e-3 - 1e-8) = 90% here; quarter keeps 50%
+    a = study(1e-3, [1e-8, 1e-4, 5e-4])
+    d = pick_default_policy([a])
+    assert (d["layers"], d["met_rule"], d["studies_used"]) == ("deepest half", True, 1)
+    # a study with nothing to remove (qat-r3 already negligible) does not veto, however noisy its ratios
+    noisy = study(1e-10, [3e-10, 2e-11, 9e-11])
+    assert pick_default_policy([a, noisy])["layers"] == "deepest half"
+    # a second real study where half keeps only 50%: full depth it is
+    b = study(1e-4, [1e-8, 5e-5, 9e-5])
+    assert pick_default_policy([a, b])["layers"] == "all"
+    # a point whose own mismatch is negligible is good enough even if the best is far lower
+    c = study(1e-4, [1e-12, 5e-7, 9e-5])
+    assert pick_default_policy([a, c])["layers"] == "deepest half"

@@ -268,21 +268,55 @@ def write_report(results_path: str | Path) -> Path:
     return path
 
 
-def _default_choice(results: dict) -> list[str]:
-    """Pick the default CachePolicy: the cheapest sweep point within 2x of the best kl on every study."""
-    scores: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    studies = [st for st in results["study"].values() if st["dtype"] == "bfloat16"] or list(results["study"].values())
+# below this kl_k3 (nats per token) a mismatch is negligible for RL: importance ratios stay within
+# about 1e-3 of 1, so a study whose qat-r3 mismatch is already this small cannot rank policies
+NEGLIGIBLE_KL = 1e-6
+SHIPPED_DEFAULT = ("deepest half", "lsb")  # configs' guidance.layers=fraction:0.5, encoding=lsb
+KEEP = 0.8  # share of the best sweep point's mismatch reduction a default must keep
+
+
+def pick_default_policy(studies: list[dict]) -> dict:
+    """The cheapest sweep point that keeps >= KEEP of the best point's kl_k3 reduction (vs qat-r3),
+    or is itself negligible, on every study that has a mismatch worth removing."""
+    used = [st for st in studies if st["alignments"]["qat-r3"]["mismatch/kl_k3"] >= NEGLIGIBLE_KL]
+    points: dict[tuple[str, str], dict] = {}
     for st in studies:
+        base = st["alignments"]["qat-r3"]["mismatch/kl_k3"]
         best = min(m["mismatch/kl_k3"] for m in st["sweep"])
         for m in st["sweep"]:
-            scores.setdefault((m["layers"], m["encoding"]), []).append((m["bytes_per_token"], m["mismatch/kl_k3"] / max(best, 1e-30)))
-    ok = {k: v for k, v in scores.items() if all(r <= 2.0 for _, r in v)}
-    pick = min(ok or scores, key=lambda k: statistics.fmean(b for b, _ in scores[k]))
-    b = statistics.fmean(x for x, _ in scores[pick])
-    r = statistics.fmean(x for _, x in scores[pick])
-    found = "" if ok else " No point met the rule on every study; this is simply the cheapest, shown for reference."
+            p = points.setdefault((m["layers"], m["encoding"]), {"bytes": [], "kept": [], "ok": True})
+            p["bytes"].append(m["bytes_per_token"])
+            if st in used:
+                kept = (base - m["mismatch/kl_k3"]) / (base - best) if base > best else 1.0
+                p["kept"].append(kept)
+                p["ok"] &= kept >= KEEP or m["mismatch/kl_k3"] < NEGLIGIBLE_KL
+    ok = [k for k, p in points.items() if p["ok"]]
+    # no point is good enough everywhere (studies disagree on the best one): the most robust
+    pick = (min(ok, key=lambda k: statistics.fmean(points[k]["bytes"])) if ok
+            else max(points, key=lambda k: min(points[k]["kept"], default=1.0)))
+    p = points[pick]
+    return {"layers": pick[0], "encoding": pick[1], "bytes_per_token": statistics.fmean(p["bytes"]),
+            "kept_min": min(p["kept"], default=float("nan")), "met_rule": bool(ok),
+            "studies_used": len(used), "studies": len(studies)}
+
+
+def _default_choice(results: dict) -> list[str]:
+    studies = [st for st in results["study"].values() if st["dtype"] == "bfloat16"] or list(results["study"].values())
+    d = pick_default_policy(studies)
+    if d["studies_used"] == 0:
+        why = "No study had a qat-r3 mismatch worth removing, so none can rank the policies; shown: the cheapest."
+    elif d["met_rule"]:
+        why = (f"It keeps at least {d['kept_min']:.0%} of the best point's reduction on every such study "
+               f"({d['studies_used']} of {d['studies']}).")
+    else:
+        why = (f"No point met the rule on every study (they disagree on the best layers); this one keeps the most "
+               f"in its worst study ({d['kept_min']:.0%}).")
     return ["## Default CachePolicy", "",
-            f"Rule (bf16 studies): the cheapest sweep point whose kl_k3 is within 2x of the best point on every study. "
-            f"Here: **{pick[0]} / {pick[1]}** ({b:.0f} B/token on average, kl {r:.2f}x the best).{found} "
-            f"The shipped default (`guidance.layers: fraction:0.5`, `encoding: lsb`) is the reference method's; "
-            f"compare it with this pick before changing configs.", ""]
+            f"Rule ({'bf16' if studies and studies[0]['dtype'] == 'bfloat16' else 'all'} studies): the cheapest sweep "
+            f"point that keeps >= {KEEP:.0%} of the kl_k3 reduction (vs qat-r3) of the study's best point, or whose "
+            f"kl_k3 is negligible (< {NEGLIGIBLE_KL:g}), on every study whose qat-r3 kl_k3 is not already negligible. "
+            f"Here: **{d['layers']} / {d['encoding']}** ({d['bytes_per_token']:.0f} B/token on average). {why} "
+            + ("This is the shipped default (`guidance.layers: fraction:0.5`, `encoding: lsb`, the reference method's)."
+               if (d["layers"], d["encoding"]) == SHIPPED_DEFAULT else
+               "The shipped default (`guidance.layers: fraction:0.5`, `encoding: lsb`) is the reference method's; "
+               "on models like these, set `guidance.layers`/`guidance.encoding` to this pick."), ""]
