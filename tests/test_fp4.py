@@ -144,6 +144,10 @@ def test_bad_input_errors():
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="acts.*non-finite"):
         fp4.quantize(x, name="acts")
+    # for callers that flag inf/NaN on the device themselves (the rollout engine): no check, no sync
+    assert fp4.quantize(x, check_finite=False).shape == x.shape
+    with pytest.raises(ValueError, match="block size 16"):
+        fp4.quantize(torch.randn(4, 40), check_finite=False)
     x[1, 3] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
         fp4.fake_quantize(x)

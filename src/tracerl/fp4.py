@@ -195,7 +195,7 @@ def unpack_codes(q: FP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- scales
 
 
-def _check_input(x: torch.Tensor, block: int, name: str) -> None:
+def _check_input(x: torch.Tensor, block: int, name: str, check_finite: bool = True) -> None:
     if not x.is_floating_point():
         raise TypeError(f"{name}: FP4 quantization needs a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
@@ -205,7 +205,8 @@ def _check_input(x: torch.Tensor, block: int, name: str) -> None:
             f"{name}: last dim {x.shape[-1]} is not divisible by the block size {block}; "
             f"pad the hidden size to a multiple of {block} or choose a format whose block divides it"
         )
-    if not bool(torch.isfinite(x).all()):
+    # a host sync on CUDA: callers that flag inf/NaN on the device themselves pass check_finite=False
+    if check_finite and not bool(torch.isfinite(x).all()):
         n_bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name}: {n_bad} non-finite values (inf/NaN) in a tensor to be FP4-quantized")
 
@@ -270,11 +271,17 @@ def quantize(
     guide: RoundingGuide | None = None,
     mx_rule: str = "even",
     name: str = "x",
+    check_finite: bool = True,
 ) -> FP4Tensor:
-    """Quantize x to FP4 in blocks along its last dim (see the module docstring for the rules)."""
+    """Quantize x to FP4 in blocks along its last dim (see the module docstring for the rules).
+
+    Non-finite input raises ValueError unless `check_finite=False`: then the caller must check
+    on its own (the rollout engine flags inf/NaN on the device without a host sync), since the
+    quantizer's saturation and NaN scale handling can turn them into finite garbage.
+    """
     q, _ = _quantize_with_values(
         x, fmt, rounding, global_scale=global_scale, per_row_global=per_row_global,
-        generator=generator, guide=guide, mx_rule=mx_rule, name=name,
+        generator=generator, guide=guide, mx_rule=mx_rule, name=name, check_finite=check_finite,
     )
     return q
 
@@ -290,10 +297,11 @@ def _quantize_with_values(
     guide: RoundingGuide | None = None,
     mx_rule: str = "even",
     name: str = "x",
+    check_finite: bool = True,
 ) -> tuple[FP4Tensor, torch.Tensor]:
     """Quantize and also return the float32 scaled values x/s (pre-rounding), for the STE mask."""
     spec = format_spec(fmt)
-    _check_input(x, spec.block, name)
+    _check_input(x, spec.block, name, check_finite)
     if rounding not in ("rtn", "stochastic", "guided"):
         raise ValueError(f"unknown rounding {rounding!r}; use 'rtn', 'stochastic' or 'guided'")
     if rounding == "guided" and guide is None:

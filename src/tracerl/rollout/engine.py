@@ -29,7 +29,7 @@ from tracerl.guidance import CachePolicy
 from tracerl.qat import Recipe
 from tracerl.rollout.batch import RolloutBatch
 from tracerl.rollout.kvcache import DenseKVCache, FP4KVCache
-from tracerl.rollout.recorder import RolloutQuant, SiteRecorder
+from tracerl.rollout.recorder import FiniteWatch, RolloutQuant, SiteRecorder
 from tracerl.rollout.sampling import SamplingParams, sample
 
 
@@ -47,6 +47,7 @@ class _GenState:
     next_logits: torch.Tensor  # (B, V) float32: logits after each row's last fed token
     cur: int  # next column to write
     finished: torch.Tensor  # (B,) stopped by a stop token
+    finite: FiniteWatch  # inf/NaN flags of the forwards not yet read on the host
 
 
 class Engine:
@@ -171,9 +172,11 @@ class Engine:
             tokens[i, p_len - len(p):p_len] = torch.tensor(p, device=dev)
             mask[i, p_len - len(p):p_len] = True
         recorder = SiteRecorder(self.recipe, self.policy, cfg.num_layers, n_rows, L, self.diagnostics)
+        finite = FiniteWatch()
         shape = (cfg.num_layers, n_rows, L, cfg.num_kv_heads, cfg.head_dim)
         if self.recipe.kv:
-            cache = FP4KVCache(*shape, fmt=self.recipe.fmt, dtype=self.dtype, device=dev, observer=recorder)
+            cache = FP4KVCache(*shape, fmt=self.recipe.fmt, dtype=self.dtype, device=dev, observer=recorder,
+                               finite=finite)
         else:
             cache = DenseKVCache(*shape, dtype=self.dtype, device=dev)
         return _GenState(
@@ -181,7 +184,7 @@ class Engine:
             policy_mask=torch.zeros_like(mask), logprobs=torch.zeros(n_rows, L, device=dev),
             routing=None, prompt_index=torch.arange(n_rows, device=dev), cache=cache, recorder=recorder,
             next_logits=torch.zeros(n_rows, cfg.vocab_size, device=dev), cur=0,
-            finished=torch.zeros(n_rows, dtype=torch.bool, device=dev),
+            finished=torch.zeros(n_rows, dtype=torch.bool, device=dev), finite=finite,
         )
 
     def _expand(self, st: _GenState, index: torch.Tensor) -> None:
@@ -196,7 +199,7 @@ class Engine:
         """Run slots `rows` on columns [start, end) against the cache; stage routing; return logits."""
         st.cache.set_step(rows, start)
         st.recorder.set_step(rows, start)
-        handler = RolloutQuant(self.recipe, self._weights, st.recorder)
+        handler = RolloutQuant(self.recipe, self._weights, st.recorder, st.finite)
         mask = st.mask[rows, :end]
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:end]
         out = self.model(
@@ -208,14 +211,28 @@ class Engine:
             L, _, _, K = ids.shape
             st.routing = torch.zeros(L, st.tokens.shape[0], self.max_len, K, dtype=ids.dtype, device=self.device)
         st.routing[:, rows, start:end] = ids
+        # the logits too: a bf16 recipe has no quant site, and only the last column is sampled from
+        st.finite.note("logits", out.logits[:, -1])
         return out.logits
+
+    def _poll(self, st: _GenState, active: torch.Tensor) -> bool:
+        """Whether any slot is active; raises ValueError if a forward since the last poll went non-finite.
+
+        One host copy holds both (a sync on CUDA): the engine's finiteness check costs no sync of its own.
+        """
+        host = torch.cat([active.any().reshape(1), *st.finite.take()]).tolist()
+        st.finite.check(host[1:])
+        return host[0]
 
     def _decode(self, st: _GenState, active: torch.Tensor, pending: list[deque], params: SamplingParams,
                 gen: torch.Generator) -> None:
         budget = torch.full((len(active),), params.max_new_tokens, device=self.device)
         stop = torch.tensor(params.stop or [-1], device=self.device)
         active = active.clone()
-        while bool(active.any()) and st.cur < self.max_len:
+        step = 0
+        # polled before every sample and after the last forward, so no token comes from a non-finite forward
+        while self._poll(st, active) and st.cur < self.max_len:
+            step += 1
             rows = active.nonzero().squeeze(-1)
             # one device->host copy of the running slots per step (not one sync per row)
             row_ids = rows.tolist()
@@ -240,6 +257,7 @@ class Engine:
             done = hit_stop | (sampled & (budget[rows] <= 0))
             st.finished[rows[hit_stop]] = True
             # the last token is fed too, so the cache is complete if the episode continues
+            st.finite.label = f"decode step {step} (column {c})"
             logits = self._forward(st, rows, c, c + 1)
             st.next_logits[rows] = logits[:, -1].float()
             active[rows[done]] = False

@@ -18,7 +18,7 @@ import torch
 
 from tracerl import fp4
 from tracerl.rollout.attention import split_kv_attention
-from tracerl.rollout.recorder import site_dequantize, site_quantize
+from tracerl.rollout.recorder import FiniteWatch, site_dequantize, site_quantize
 
 
 class KVObserver(Protocol):
@@ -93,12 +93,13 @@ class FP4KVCache(_SlotCache):
 
     def __init__(self, n_layers: int, n_slots: int, max_len: int, n_kv_heads: int, head_dim: int,
                  fmt: str = "nvfp4", dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 observer: KVObserver | None = None) -> None:
+                 observer: KVObserver | None = None, finite: FiniteWatch | None = None) -> None:
         super().__init__(n_slots, max_len)
         spec = fp4.format_spec(fmt)
         if head_dim % spec.block:
             raise ValueError(f"head_dim {head_dim} is not divisible by the {fmt} block {spec.block}")
-        self.fmt, self.dtype, self.observer = fmt, dtype, observer
+        # with a FiniteWatch inf/NaN K/V are flagged on the device instead of checked with a host sync
+        self.fmt, self.dtype, self.observer, self.finite = fmt, dtype, observer, finite
         lead = (2, n_layers, n_slots, max_len, n_kv_heads)
         self.codes = torch.zeros(*lead, head_dim // 2, dtype=torch.uint8, device=device)
         self.scales = torch.zeros(*lead, head_dim // spec.block, dtype=torch.uint8, device=device)
@@ -114,7 +115,9 @@ class FP4KVCache(_SlotCache):
     def _store(self, kv: int, layer: int, x: torch.Tensor) -> None:
         site = f"layers.{layer}.attn.{'kv'[kv]}_cache"
         need = self.observer is not None and self.observer.needs_scaled(site)
-        q, scaled = site_quantize(x, self.fmt, need_scaled=need, name=site)
+        if self.finite is not None:
+            self.finite.note(site, x)
+        q, scaled = site_quantize(x, self.fmt, need_scaled=need, name=site, check_finite=self.finite is None)
         end = self.start + x.shape[1]
         self.codes[kv, layer, self.rows, self.start:end] = q.codes
         self.scales[kv, layer, self.rows, self.start:end] = q.scales.view(torch.uint8)

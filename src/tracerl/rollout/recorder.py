@@ -129,11 +129,59 @@ class SiteRecorder:
         return records, reference, total_bytes / n_valid
 
 
-class RolloutQuant:
-    """QuantHandler of the engine: packed FP4 weights (dequantized once per load) and FP4 activations."""
+class FiniteWatch:
+    """Device-side inf/NaN flags of the engine's quantized tensors, read once per engine step.
 
-    def __init__(self, recipe: Recipe, weights: dict[str, torch.Tensor], recorder: SiteRecorder | None) -> None:
-        self.recipe, self.weights, self.recorder = recipe, weights, recorder
+    An eager `bool(torch.isfinite(x).all())` per quant site is a device->host sync on CUDA, dozens
+    per decode step of a launch-bound loop. Here each site only queues a flag on the device; the
+    engine reads them in the host copy its decode loop makes anyway and raises there. The flags
+    are per site, not just on the logits: the quantizer can hide a non-finite input (MXFP4 gives a
+    NaN block the fallback scale 2**-127 and finite codes; the Triton kernels do not reproduce NaN
+    scales), so the logits may stay finite while the rollout computed garbage.
+    """
+
+    def __init__(self) -> None:
+        self.label = "prefill"  # which forward the next flags belong to, for the error message
+        self._flags: list[torch.Tensor] = []
+        self._where: list[tuple[str, str]] = []
+        self._taken: list[tuple[str, str]] = []
+
+    def note(self, site: str, x: torch.Tensor) -> None:
+        """Queue whether `x` (about to be used at `site`) is all finite; no host sync."""
+        self._flags.append(torch.isfinite(x).all().reshape(1))
+        self._where.append((self.label, site))
+
+    def take(self) -> list[torch.Tensor]:
+        """The queued flags ((1,) bool tensors) to read in the caller's host copy; pass that copy to `check`."""
+        flags, self._taken = self._flags, self._where
+        self._flags, self._where = [], []
+        return flags
+
+    def check(self, ok: list[bool]) -> None:
+        """Raise ValueError naming the first site whose flag (host copy of `take()`'s) is False."""
+        bad = [w for w, f in zip(self._taken, ok, strict=True) if not f]
+        self._taken = []
+        if bad:
+            label, site = bad[0]
+            more = f" (and {len(bad) - 1} later sites)" if len(bad) > 1 else ""
+            raise ValueError(
+                f"rollout {label}: activations became non-finite (inf/NaN) at {site}{more}; sampling from them "
+                "(FP4 quantization can even make them look finite) gives garbage, so no tokens are returned. "
+                "Check the model weights / checkpoint for NaN or inf (e.g. after a diverged training step) and "
+                "that activations fit the compute dtype"
+            )
+
+
+class RolloutQuant:
+    """QuantHandler of the engine: packed FP4 weights (dequantized once per load) and FP4 activations.
+
+    With a FiniteWatch, inf/NaN inputs are flagged on the device (read by the engine once per step)
+    instead of checked eagerly at every site.
+    """
+
+    def __init__(self, recipe: Recipe, weights: dict[str, torch.Tensor], recorder: SiteRecorder | None,
+                 finite: FiniteWatch | None = None) -> None:
+        self.recipe, self.weights, self.recorder, self.finite = recipe, weights, recorder, finite
 
     def weight(self, site: str, w: torch.Tensor) -> torch.Tensor:
         return self.weights.get(site, w)
@@ -142,24 +190,29 @@ class RolloutQuant:
         if not self.recipe.quantizes(site):
             return x
         need = self.recorder is not None and self.recorder.needs_scaled(site)
-        q, scaled = site_quantize(x, self.recipe.fmt, need_scaled=need, name=site)
+        if self.finite is not None:
+            self.finite.note(site, x)
+        q, scaled = site_quantize(x, self.recipe.fmt, need_scaled=need, name=site, check_finite=self.finite is None)
         if self.recorder is not None:
             self.recorder.observe(site, q, scaled)
         return site_dequantize(q, x.dtype)
 
 
-def site_quantize(x: torch.Tensor, fmt: str, *, need_scaled: bool, name: str) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
+def site_quantize(x: torch.Tensor, fmt: str, *, need_scaled: bool, name: str,
+                  check_finite: bool = True) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
     """RTN, per-row scales: (FP4Tensor, the scaled pre-rounding values if `need_scaled` else None).
 
     On CUDA without `need_scaled` this is one Triton kernel (`tracerl.kernels.quantize`, bit-exact
     with fp4.quantize, tested on the GPU) instead of ~40 PyTorch ops per site: the engine's decode
     step is launch-bound on small models. Elsewhere it is exactly the CPU reference.
+    Non-finite x raises ValueError; `check_finite=False` skips that host-syncing check for a caller
+    that flags inf/NaN itself (the engine, through a FiniteWatch).
     """
     if x.is_cuda and not need_scaled:
-        if not bool(torch.isfinite(x).all()):
+        if check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name}: non-finite values (inf/NaN) in a tensor to be FP4-quantized")
         return kernels.quantize(x, fmt, "rtn", per_row_global=True), None
-    return fp4._quantize_with_values(x, fmt, "rtn", per_row_global=True, name=name)
+    return fp4._quantize_with_values(x, fmt, "rtn", per_row_global=True, name=name, check_finite=check_finite)
 
 
 def site_dequantize(q: fp4.FP4Tensor, dtype: torch.dtype) -> torch.Tensor:
