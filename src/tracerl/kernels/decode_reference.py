@@ -82,7 +82,8 @@ def dispatch_reference(ids: torch.Tensor, gates: torch.Tensor, num_experts: int)
     """PyTorch `dispatch`: stable argsort by expert, as model/moe.py does."""
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = counts.cumsum(0).to(torch.int32)  # as model/moe.py: no host sync (bincount has one)
     K = ids.shape[1]
     return offsets, (order // K).to(torch.int32), order.to(torch.int32), gates.reshape(-1)[order].float()
 

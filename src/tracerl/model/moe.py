@@ -145,7 +145,10 @@ class MoE(nn.Module):
         expert_ids_N = expert_ids_TK.reshape(-1)
         order_N = torch.argsort(expert_ids_N, stable=True)
         unsort_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-        offsets_E = torch.bincount(expert_ids_N, minlength=E).cumsum(0).to(torch.int32)
+        # scatter_add, not bincount: bincount reads the ids' max on the host (two syncs per MoE
+        # layer on CUDA, most of a decode step's remaining syncs); the counts are the same integers
+        counts_E = torch.zeros(E, dtype=torch.long, device=expert_ids_N.device)
+        offsets_E = counts_E.scatter_add_(0, expert_ids_N, torch.ones_like(expert_ids_N)).cumsum(0).to(torch.int32)
 
         x_BSD = quant.act(f"{p}.experts.gate_up.input", x_BSD)  # once per token, before dispatch
         w_gate_up_E2FD = quant.weight(f"{p}.experts.gate_up.weight", self.experts.w_gate_up.to(dtype))
