@@ -100,7 +100,7 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     shutil.rmtree(out / "micro" / "cells")
     (configs / "suite-micro.yaml").write_text(text.replace("train: {steps: 2,", "train: {steps: 3,"))
     changed = run_suite("micro", out, configs, log=logs.append, time_budget=0)
-    assert not changed["runs"] and "bf16/arith/0" in changed["missing"]
+    assert not changed["runs"] and not changed["study"] and "bf16/arith/0" in changed["missing"]
 
 
 def test_run_config_does_not_leak_one_tasks_overrides_into_another(configs):

@@ -288,8 +288,12 @@ def _cells_from_results(suite: Suite, out: Path, cells: Path, configs_dir: str |
             restore(f"ptq-{bf16['hash']}.json", rec)
     for key, rec in old.get("study", {}).items():
         task, dt = key.split("/")
-        if task in suite.tasks and suite.seeds:
-            restore(f"study-{task}-{dt}-{hash_of('trace', task, suite.seeds[0])}.json", rec)
+        if task not in suite.tasks or not suite.seeds:
+            continue
+        # a study record holds no hash of its own: it is current if the trace run of its config is
+        h = hash_of("trace", task, suite.seeds[0])
+        if old.get("runs", {}).get(f"trace/{task}/{suite.seeds[0]}", {}).get("hash") == h:
+            restore(f"study-{task}-{dt}-{h}.json", rec)
     return n
 
 
