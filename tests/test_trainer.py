@@ -1,6 +1,7 @@
 """The RL trainer: alignment ordering, resume exactness, crash safety, divergence, config, CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -122,12 +123,14 @@ def test_config_yaml_overrides_and_errors(tmp_path):
     assert load_config(tmp_path / "c.yaml") == cfg
 
 
-def test_cli_train_writes_metrics_plot_and_resumes(tmp_path):
+def test_cli_train_writes_metrics_plot_and_resumes(tmp_path, capsys):
     from tracerl.cli import main
 
     args = ["train", "--config", "configs/tiny-arith.yaml", f"run.out_dir={tmp_path}", "run.name=cli", *FAST,
             "train.steps=2", "run.checkpoint_every=1"]
     assert main(args) == 0
+    # the summary compares the warm-started policy with the trained one
+    assert re.search(r"before RL \d\.\d{3}, after \d\.\d{3}", capsys.readouterr().out)
     run = tmp_path / "cli"
     assert (run / "summary.png").stat().st_size > 1000
     lines = (run / "metrics.jsonl").read_text().splitlines()

@@ -50,6 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, resume=bool(args.resume))
+    before: dict[str, float] | None = None  # held-out accuracy of the warm-started policy, before RL
     console.print(f"[bold]tracerl train[/] {trainer.dir}  model={cfg.model.path or cfg.model.preset} "
                   f"task={cfg.task.name} rollout={cfg.rollout.recipe}/{cfg.rollout.format} "
                   f"alignment={cfg.train.alignment} R3={cfg.train.routing_replay} correction={cfg.correction.kind}")
@@ -59,6 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 ws = prog.add_task("warm start", total=max(cfg.warm_start.steps, 1), info="")
                 trainer.warm_start(lambda s, loss: prog.update(ws, completed=s + 1, info=f"loss {loss:.3f}"))
                 prog.update(ws, completed=max(cfg.warm_start.steps, 1))
+                before = trainer.evaluate()
             rl = prog.add_task("RL", total=cfg.train.steps, completed=trainer.step, info="")
             while trainer.step < cfg.train.steps:
                 m = trainer.train_step()
@@ -78,6 +80,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     for name, first, last in summary_rows(trainer.history):
         table.add_row(name, first, last)
     console.print(table)
+    if before is not None:
+        last = trainer.history[-1] if trainer.history else {}
+        after = last if "eval/acc" in last else trainer.evaluate()
+        console.print(f"held-out accuracy ({cfg.rollout.recipe}, greedy): before RL {before['eval/acc']:.3f}, "
+                      f"after {after['eval/acc']:.3f}")
     png = plot_run(trainer.history, trainer.dir / "summary.png")
     console.print(f"metrics: {trainer.dir / 'metrics.jsonl'}   plot: {png}   checkpoint: {trainer.dir / 'checkpoint.pt'}")
     return 0
