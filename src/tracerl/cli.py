@@ -92,7 +92,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Held-out accuracy of a run's policy, deployed in a given precision."""
-    import torch
 
     from tracerl import model as M
     from tracerl import qat
@@ -100,7 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tracerl.config import config_from_dict, load_config
     from tracerl.rl import checkpoint as ckpt
     from tracerl.rl.evaluate import evaluate
-    from tracerl.rl.trainer import resolve_device, rollout_dtype
+    from tracerl.rl.trainer import compute_dtype_of, resolve_device, rollout_dtype
     from tracerl.rollout import Engine
 
     run = Path(args.run)
@@ -115,8 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.device:
         cfg = config_from_dict(cfg.to_dict(), [f"run.device={args.device}"])
     device = resolve_device(cfg)
-    compute = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
-    engine = Engine(model, recipe, dtype=rollout_dtype(device, compute), device=device)
+    engine = Engine(model, recipe, dtype=rollout_dtype(device, compute_dtype_of(cfg)), device=device)
     r = evaluate(engine, task, n=args.n, max_new_tokens=cfg.rollout.max_new_tokens or task.max_new_tokens)
     console.print_json(json.dumps({"run": str(run), "step": state["step"], "recipe": recipe.name, **r}))
     return 0

@@ -278,15 +278,17 @@ KEEP = 0.8  # share of the best sweep point's mismatch reduction a default must 
 def pick_default_policy(studies: list[dict]) -> dict:
     """The cheapest sweep point that keeps >= KEEP of the best point's kl_k3 reduction (vs qat-r3),
     or is itself negligible, on every study that has a mismatch worth removing."""
-    used = [st for st in studies if st["alignments"]["qat-r3"]["mismatch/kl_k3"] >= NEGLIGIBLE_KL]
+    used = 0
     points: dict[tuple[str, str], dict] = {}
     for st in studies:
         base = st["alignments"]["qat-r3"]["mismatch/kl_k3"]
         best = min(m["mismatch/kl_k3"] for m in st["sweep"])
+        votes = base >= NEGLIGIBLE_KL
+        used += votes
         for m in st["sweep"]:
             p = points.setdefault((m["layers"], m["encoding"]), {"bytes": [], "kept": [], "ok": True})
             p["bytes"].append(m["bytes_per_token"])
-            if st in used:
+            if votes:
                 kept = (base - m["mismatch/kl_k3"]) / (base - best) if base > best else 1.0
                 p["kept"].append(kept)
                 p["ok"] &= kept >= KEEP or m["mismatch/kl_k3"] < NEGLIGIBLE_KL
@@ -297,7 +299,7 @@ def pick_default_policy(studies: list[dict]) -> dict:
     p = points[pick]
     return {"layers": pick[0], "encoding": pick[1], "bytes_per_token": statistics.fmean(p["bytes"]),
             "kept_min": min(p["kept"], default=float("nan")), "met_rule": bool(ok),
-            "studies_used": len(used), "studies": len(studies)}
+            "studies_used": used, "studies": len(studies)}
 
 
 def _default_choice(results: dict) -> list[str]:

@@ -54,6 +54,11 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device(cfg.run.device)
 
 
+def compute_dtype_of(cfg: Config) -> torch.dtype:
+    """The trainer forward's dtype (`train.compute_dtype`)."""
+    return torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
+
+
 def rollout_dtype(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
     """The engine's dtype: bf16 on the GPU (as a serving engine runs), else the trainer's compute dtype."""
     return torch.bfloat16 if device.type == "cuda" or compute_dtype == torch.bfloat16 else torch.float32
@@ -77,7 +82,7 @@ class Trainer:
         self.task = T.get(cfg.task.name, **cfg.task.options)
         self.recipe = qat.Recipe(cfg.rollout.recipe, fmt=cfg.rollout.format, sites=cfg.rollout.sites)
         self.policy = CachePolicy(cfg.guidance.layers, cfg.guidance.fields, cfg.guidance.encoding, cfg.guidance.delta)
-        self.compute_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
+        self.compute_dtype = compute_dtype_of(cfg)
         self.correction = Correction(cfg.correction.kind, cfg.correction.level, cfg.correction.threshold)
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         torch.manual_seed(cfg.train.seed)

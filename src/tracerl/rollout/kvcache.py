@@ -115,9 +115,7 @@ class FP4KVCache(_SlotCache):
     def _store(self, kv: int, layer: int, x: torch.Tensor) -> None:
         site = f"layers.{layer}.attn.{'kv'[kv]}_cache"
         need = self.observer is not None and self.observer.needs_scaled(site)
-        if self.finite is not None:
-            self.finite.note(site, x)
-        q, scaled = site_quantize(x, self.fmt, need_scaled=need, name=site, check_finite=self.finite is None)
+        q, scaled = site_quantize(x, self.fmt, need_scaled=need, name=site, finite=self.finite)
         end = self.start + x.shape[1]
         self.codes[kv, layer, self.rows, self.start:end] = q.codes
         self.scales[kv, layer, self.rows, self.start:end] = q.scales.view(torch.uint8)

@@ -190,24 +190,25 @@ class RolloutQuant:
         if not self.recipe.quantizes(site):
             return x
         need = self.recorder is not None and self.recorder.needs_scaled(site)
-        if self.finite is not None:
-            self.finite.note(site, x)
-        q, scaled = site_quantize(x, self.recipe.fmt, need_scaled=need, name=site, check_finite=self.finite is None)
+        q, scaled = site_quantize(x, self.recipe.fmt, need_scaled=need, name=site, finite=self.finite)
         if self.recorder is not None:
             self.recorder.observe(site, q, scaled)
         return site_dequantize(q, x.dtype)
 
 
 def site_quantize(x: torch.Tensor, fmt: str, *, need_scaled: bool, name: str,
-                  check_finite: bool = True) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
+                  finite: FiniteWatch | None = None) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
     """RTN, per-row scales: (FP4Tensor, the scaled pre-rounding values if `need_scaled` else None).
 
     On CUDA without `need_scaled` this is one Triton kernel (`tracerl.kernels.quantize`, bit-exact
     with fp4.quantize, tested on the GPU) instead of ~40 PyTorch ops per site: the engine's decode
     step is launch-bound on small models. Elsewhere it is exactly the CPU reference.
-    Non-finite x raises ValueError; `check_finite=False` skips that host-syncing check for a caller
-    that flags inf/NaN itself (the engine, through a FiniteWatch).
+    Non-finite x raises ValueError, or, given a FiniteWatch, is flagged there on the device
+    instead (the engine reads the flags once per step: no host sync per site).
     """
+    check_finite = finite is None
+    if finite is not None:
+        finite.note(name, x)
     if x.is_cuda and not need_scaled:
         if check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name}: non-finite values (inf/NaN) in a tensor to be FP4-quantized")
