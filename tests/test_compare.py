@@ -96,6 +96,20 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     again = run_suite("micro", out, configs, log=logs.append, time_budget=0)
     assert again["complete"] and set(again["runs"]) == set(res["runs"]) and set(again["study"]) == set(res["study"])
     assert logs == ["restored 5 cells from " + str(out / "micro" / "results.json")]
+    # on a fresh machine (cells committed, weights not) a missing ptq cell re-trains the bf16 row
+    # it needs instead of stopping the suite, and the re-trained record replaces the old one
+    for p in (out / "micro" / "cells").glob("ptq-*.json"):
+        p.unlink()
+    committed = json.loads((out / "micro" / "results.json").read_text())
+    (out / "micro" / "results.json").write_text(json.dumps(committed | {"ptq": {}}))
+    for p in (out / "micro" / "cache").glob("model-*.pt"):
+        p.unlink()
+    logs.clear()
+    fresh = run_suite("micro", out, configs, log=logs.append)
+    assert fresh["complete"] and set(fresh["ptq"]) == {"arith/0"}
+    assert [x for x in logs if x.startswith(("train", "re-train"))] == [
+        "re-train bf16/arith/0: its final weights are not in " + str(out / "micro" / "cache") + " and ptq needs them",
+        "train bf16-arith-s0"]
     # ... but not a record whose config changed since
     shutil.rmtree(out / "micro" / "cells")
     (configs / "suite-micro.yaml").write_text(text.replace("train: {steps: 2,", "train: {steps: 3,"))

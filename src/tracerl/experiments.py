@@ -164,10 +164,15 @@ def _write_json(path: Path, obj: dict, indent: int | None = None) -> None:
     tmp.replace(path)
 
 
+def model_path_of(rec: dict, cache: Path) -> Path:
+    """Where a run's final weights are (records restored from results.json do not name the file)."""
+    return cache / rec.get("model_path", f"model-{rec['hash']}.pt")
+
+
 def eval_ptq(cfg_bf16: Config, rec_bf16: dict, cache: Path) -> dict:
     """Row 8: the bf16 row's final policy quantized post hoc to w4a4kv4, evaluated as deployed."""
     tr = Trainer(_with(cfg_bf16, ["run.checkpoint_every=0", "run.eval_every=0"]))
-    path = cache / rec_bf16["model_path"]
+    path = model_path_of(rec_bf16, cache)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the bf16 row's final weights are needed for ptq; they are not committed, "
                                 f"so delete its cell {rec_bf16['hash']} (cells/run-{rec_bf16['hash']}.json) to re-train it")
@@ -371,10 +376,21 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                 for row in rows:
                     cfg = run_config(suite, row, task, seed, out, configs_dir)
                     key = f"{row}/{task}/{seed}"
-                    rec = cell("run", key, cells / f"run-{config_hash(cfg)}.json",
-                               lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
+                    run_path = cells / f"run-{config_hash(cfg)}.json"
+                    rec = cell("run", key, run_path, lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
                     if rec is None:
                         continue
+                    if row == "bf16" and not (cells / f"ptq-{rec['hash']}.json").exists() \
+                            and not model_path_of(rec, cache).is_file():
+                        # weights stay on the machine that trained them (GBs, not committed): a resumed
+                        # suite on a fresh machine re-trains the bf16 row for ptq, and the re-trained
+                        # record replaces the old one, so ptq evaluates the run the report shows
+                        log(f"re-train {key}: its final weights are not in {cache} and ptq needs them")
+                        run_path.unlink()
+                        rec = cell("run", key, run_path, lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
+                        if rec is None:
+                            missing.append(f"ptq/{task}/{seed}")
+                            continue
                     results["runs"][key] = {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s")}
                     if row == "bf16":
                         p = cells / f"ptq-{rec['hash']}.json"
