@@ -197,3 +197,22 @@ def test_default_policy_rule_keeps_most_of_the_reduction_and_skips_negligible_st
     # a point whose own mismatch is negligible is good enough even if the best is far lower
     c = study(1e-4, [1e-12, 5e-7, 9e-5])
     assert pick_default_policy([a, c])["layers"] == "deepest half"
+
+
+def test_report_shows_the_start_reward_and_flags_rl_that_lowered_it_everywhere(tmp_path):
+    def run(rewards):
+        return {"name": "x", "hash": "h", "wall_s": 1.0, "final_eval": {"eval/reward": 0.5, "eval/acc": 0.5},
+                "history": [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]}
+    down, up = [0.9, 0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.7, 0.9, 0.9, 0.9, 0.9]
+    res = {"suite": "x", "tasks": ["arith", "maze"], "seeds": [0], "rows": ["bf16", "trace"], "deploy_recipe": "w4a4kv4",
+           "runs": {"bf16/arith/0": run(down), "trace/arith/0": run(down), "bf16/maze/0": run(down),
+                    "trace/maze/0": run(up)},
+           "ptq": {}, "study": {}, "complete": True, "missing": []}
+    from tracerl.compare_report import rl_lowered_reward
+    assert rl_lowered_reward(res, "arith") and not rl_lowered_reward(res, "maze")
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    report = write_report(tmp_path / "results.json").read_text()
+    # first 3 steps 0.9 -> last 5 steps 0.5 (hand-computed means)
+    assert "| bf16 | 0.900 -> 0.500 +- 0.000 |" in report
+    assert "| 0.500 -> 0.860 +- 0.000 |" in report  # trace/maze: (0.7 + 4 * 0.9) / 5
+    assert "RL lowered the sampled reward in every row of arith**" in report
