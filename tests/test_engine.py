@@ -146,6 +146,44 @@ def test_multi_turn_continue_reuses_cache_and_masks_env_tokens(tiny):
     assert diff < 1e-4
 
 
+def test_continue_feeds_uneven_observations_in_one_forward_like_a_fresh_prompt(tiny):
+    eng = Engine(tiny, "bf16", dtype=torch.float32)
+    prompts = _prompts(4, seed=9)
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    b = eng.generate(prompts, greedy, seed=0)
+    env = [[40, 41, 42, 43, 44, 45, 46], [50], None, []]  # uneven; [] = live, nothing to feed
+    calls = []
+    orig = eng._forward
+    eng._forward = lambda st, rows, start, end: calls.append(end - start) or orig(st, rows, start, end)
+    b2 = eng.continue_(b, env, greedy, seed=0)
+    eng._forward = orig
+    # one forward of 7 columns for every observation, then one per sampled token
+    assert calls == [7, 1, 1, 1]
+    for i in (0, 1, 3):
+        transcript = b.sequence(i) + (env[i] or [])
+        fresh = eng.generate([transcript], greedy, seed=0)
+        assert b2.sequence(i) == transcript + fresh.responses(0)
+        got = torch.tensor(b2.response_logprobs(i)[-3:])
+        assert torch.allclose(got, torch.tensor(fresh.response_logprobs(0)), atol=1e-4)
+    assert b2.sequence(2) == b.sequence(2)
+    with pytest.raises(ValueError, match=r"appended\[1\] has token ids outside"):
+        eng.continue_(b2, [[1], [999], None, None], greedy)
+
+
+def test_guidance_recorded_for_a_multi_turn_batch_aligns_the_trainer(tiny):
+    r = qat.Recipe("w4a4kv4")
+    eng = Engine(tiny, r, CachePolicy("all", fields="codes+scales", encoding="codes"), diagnostics=True)
+    p = SamplingParams(max_new_tokens=4, n=2, stop=(2,))
+    b = eng.generate(_prompts(3, seed=10), p, seed=1)
+    env = [[30 + i, 31, 32][: 1 + i % 3] for i in range(len(b))]
+    b = eng.continue_(b, env, SamplingParams(max_new_tokens=4), seed=2)
+    b = eng.continue_(b, [[60, 61]] * len(b), SamplingParams(max_new_tokens=4), seed=3)
+    plain = alignment_report(tiny, b, alignment="qat", recipe=r, routing_replay=False)
+    traced = alignment_report(tiny, b, alignment="trace", recipe=r, routing_replay=True)
+    assert traced["flips/act_frac"] == 0.0 and plain["flips/act_frac"] > 0.01
+    assert traced["mismatch/kl_k3"] < plain["mismatch/kl_k3"] / 10
+
+
 def test_load_weights_swaps_without_requantizing(tiny):
     m2 = M.build("tiny", seed=1)
     eng = Engine(tiny, "w4a4")

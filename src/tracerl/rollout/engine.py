@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -116,8 +115,7 @@ class Engine:
         self._expand(st, index)
         st.cur = p_len
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        pending = [deque() for _ in range(len(index))]
-        self._decode(st, torch.ones(len(index), dtype=torch.bool, device=self.device), pending, params, gen)
+        self._decode(st, torch.ones(len(index), dtype=torch.bool, device=self.device), params, gen)
         return self._finish(st, t0)
 
     @torch.no_grad()
@@ -125,8 +123,9 @@ class Engine:
                   *, seed: int = 0) -> RolloutBatch:
         """Append environment tokens to live sequences (None = sequence is over) and keep decoding.
 
-        The appended tokens are fed through the KV cache teacher-forced, masked out of
-        `policy_mask`; then the policy samples its next turn with `params` (n must be 1).
+        The appended tokens are fed through the KV cache teacher-forced (one forward for all
+        live sequences), masked out of `policy_mask`; then the policy samples its next turn with
+        `params` (n must be 1).
         """
         params = params or SamplingParams()
         if params.n != 1:
@@ -141,9 +140,13 @@ class Engine:
         need = max((len(a) for a in appended if a is not None), default=0) + params.max_new_tokens
         if st.cur + need > self.max_len:
             raise ValueError(f"continuing needs {st.cur + need} columns, the engine's max_len is {self.max_len}")
-        pending = [deque(a or []) for a in appended]
+        vocab = self.config.vocab_size
+        for i, a in enumerate(appended):
+            if a and (min(a) < 0 or max(a) >= vocab):
+                raise ValueError(f"appended[{i}] has token ids outside [0, {vocab})")
         st.finished &= ~live
-        self._decode(st, live, pending, params, torch.Generator(device=self.device).manual_seed(seed))
+        self._feed(st, appended)
+        self._decode(st, live, params, torch.Generator(device=self.device).manual_seed(seed))
         return self._finish(st, t0)
 
     # ------------------------------------------------------------------ internals
@@ -215,6 +218,32 @@ class Engine:
         st.finite.note("logits", out.logits[:, -1])
         return out.logits
 
+    def _feed(self, st: _GenState, appended: list[list[int] | None]) -> None:
+        """Teacher-force the live sequences' environment tokens in one forward.
+
+        One forward per turn instead of one decode step per environment token (a maze observation
+        is ~30 tokens, a tool output can be thousands). Observations are right-aligned in a block of
+        columns: a shorter one leaves masked columns before it (as prompts are left-padded), so the
+        block's last column is every row's last token and its logits are the next turn's.
+        """
+        idx = [i for i, a in enumerate(appended) if a]
+        if not idx:
+            return
+        n, c = max(len(appended[i]) for i in idx), st.cur
+        toks = torch.zeros(len(idx), n, dtype=torch.long)
+        mask = torch.zeros(len(idx), n, dtype=torch.bool)
+        for j, i in enumerate(idx):
+            a = appended[i]
+            toks[j, n - len(a):] = torch.tensor(a)
+            mask[j, n - len(a):] = True
+        rows = torch.tensor(idx, device=self.device)
+        st.tokens[rows, c:c + n] = toks.to(self.device)
+        st.mask[rows, c:c + n] = mask.to(self.device)
+        st.finite.label = f"environment tokens (columns {c}-{c + n - 1})"
+        logits = self._forward(st, rows, c, c + n)
+        st.next_logits[rows] = logits[:, -1].float()
+        st.cur += n
+
     def _poll(self, st: _GenState, active: torch.Tensor) -> bool:
         """Whether any slot is active; raises ValueError if a forward since the last poll went non-finite.
 
@@ -224,8 +253,8 @@ class Engine:
         st.finite.check(host[1:])
         return host[0]
 
-    def _decode(self, st: _GenState, active: torch.Tensor, pending: list[deque], params: SamplingParams,
-                gen: torch.Generator) -> None:
+    def _decode(self, st: _GenState, active: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> None:
+        """Sample from every active slot until each hits a stop token or its budget (or the context ends)."""
         budget = torch.full((len(active),), params.max_new_tokens, device=self.device)
         stop = torch.tensor(params.stop or [-1], device=self.device)
         active = active.clone()
@@ -234,27 +263,15 @@ class Engine:
         while self._poll(st, active) and st.cur < self.max_len:
             step += 1
             rows = active.nonzero().squeeze(-1)
-            # one device->host copy of the running slots per step (not one sync per row)
-            row_ids = rows.tolist()
-            is_forced = [len(pending[r]) > 0 for r in row_ids]
-            forced = torch.tensor(is_forced, dtype=torch.bool, device=self.device)
-            tok = torch.empty(len(rows), dtype=torch.long, device=self.device)
-            lp = torch.zeros(len(rows), device=self.device)
-            if any(is_forced):
-                tok[forced] = torch.tensor([pending[r].popleft() for r, f in zip(row_ids, is_forced) if f],
-                                           device=self.device)
-            sampled = ~forced
-            if not all(is_forced):
-                t, l = sample(st.next_logits[rows[sampled]], params, gen)
-                tok[sampled], lp[sampled] = t, l
+            tok, lp = sample(st.next_logits[rows], params, gen)
             c = st.cur
             st.tokens[rows, c] = tok
             st.mask[rows, c] = True
-            st.policy_mask[rows[sampled], c] = True
-            st.logprobs[rows[sampled], c] = lp[sampled]
-            budget[rows[sampled]] -= 1
-            hit_stop = sampled & torch.isin(tok, stop)
-            done = hit_stop | (sampled & (budget[rows] <= 0))
+            st.policy_mask[rows, c] = True
+            st.logprobs[rows, c] = lp
+            budget[rows] -= 1
+            hit_stop = torch.isin(tok, stop)
+            done = hit_stop | (budget[rows] <= 0)
             st.finished[rows[hit_stop]] = True
             # the last token is fed too, so the cache is complete if the episode continues
             st.finite.label = f"decode step {step} (column {c})"
