@@ -9,6 +9,9 @@
 # 3. packs reports/<suite> (without the weights in cache/) as $OUT/reports_<suite>.tgz, beside the logs.
 # Locally afterwards: `tar xzf reports_<suite>.tgz -C reports` (adds the new cells) and run
 # `tracerl compare --suite <suite> --time-budget 0` to assemble the (partial) report from cells.
+# Untar BEFORE the next call: every call replaces the device's reports/<suite>/cells with this
+# checkout's, so cells not yet untarred here are lost there and re-run (cache/ weights survive
+# while the machine stays warm). A fresh machine re-trains the bf16 row if ptq still needs it.
 set -u
 OUT=${OUT:-out/device_compare}
 SUITE=${SUITE:-small}
