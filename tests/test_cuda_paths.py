@@ -181,6 +181,31 @@ def _to_cpu(batch):
                         logprobs=batch.logprobs.cpu(), prompt_index=batch.prompt_index.cpu())
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs")
+@pytest.mark.parametrize("recipe", ["bf16", "w4a4kv4"])
+def test_engine_decode_syncs_with_the_host_once_per_step(recipe):
+    import warnings
+
+    m = M.build("tiny", seed=0).to(DEVICE)
+    eng = Engine(m, qat.Recipe(recipe), CachePolicy("fraction:0.5", "codes+scales", "lsb"), dtype=torch.bfloat16,
+                 device=DEVICE)
+    params = SamplingParams(max_new_tokens=12, n=2, stop=())
+    eng.generate(_prompts(4, seed=3), params, seed=0)  # compile the kernels first
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            b = eng.generate(_prompts(4, seed=3), params, seed=0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(f"\n{recipe}: {len(syncs)} host syncs for {params.max_new_tokens} decode steps")
+    assert len(b.responses(0)) == params.max_new_tokens
+    # one poll per step (+1 after the last forward) and a few around prefill and finalize
+    assert len(syncs) <= params.max_new_tokens + 1 + 6, syncs[:5]
+
+
 @pytest.mark.parametrize("encoding", ["lsb", "ties", "codes"])
 def test_micro_batch_select_on_cuda_slices_records_like_cpu(encoding):
     """RolloutBatch.select with device row indices (the trainer's micro-batches) == slicing on the CPU."""

@@ -244,14 +244,16 @@ class Engine:
         st.next_logits[rows] = logits[:, -1].float()
         st.cur += n
 
-    def _poll(self, st: _GenState, active: torch.Tensor) -> bool:
-        """Whether any slot is active; raises ValueError if a forward since the last poll went non-finite.
+    def _poll(self, st: _GenState, active: torch.Tensor) -> list[int]:
+        """The active slots' indices; raises ValueError if a forward since the last poll went non-finite.
 
-        One host copy holds both (a sync on CUDA): the engine's finiteness check costs no sync of its own.
+        One host copy holds both (a sync on CUDA): neither the finiteness check nor finding the
+        running slots costs a sync of its own.
         """
-        host = torch.cat([active.any().reshape(1), *st.finite.take()]).tolist()
-        st.finite.check(host[1:])
-        return host[0]
+        flags = st.finite.take()
+        host = torch.cat([active, *flags]).tolist() if flags else active.tolist()
+        st.finite.check(host[len(active):])
+        return [i for i, a in enumerate(host[:len(active)]) if a]
 
     def _decode(self, st: _GenState, active: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> None:
         """Sample from every active slot until each hits a stop token or its budget (or the context ends)."""
@@ -259,10 +261,11 @@ class Engine:
         stop = torch.tensor(params.stop or [-1], device=self.device)
         active = active.clone()
         step = 0
-        # polled before every sample and after the last forward, so no token comes from a non-finite forward
-        while self._poll(st, active) and st.cur < self.max_len:
+        # polled before every sample and after the last forward, so no token comes from a non-finite forward;
+        # the per-step updates below index with the slot list and mask with tensors: no further host syncs
+        while (running := self._poll(st, active)) and st.cur < self.max_len:
             step += 1
-            rows = active.nonzero().squeeze(-1)
+            rows = torch.tensor(running, device=self.device)
             tok, lp = sample(st.next_logits[rows], params, gen)
             c = st.cur
             st.tokens[rows, c] = tok
@@ -271,13 +274,12 @@ class Engine:
             st.logprobs[rows, c] = lp
             budget[rows] -= 1
             hit_stop = torch.isin(tok, stop)
-            done = hit_stop | (budget[rows] <= 0)
-            st.finished[rows[hit_stop]] = True
+            st.finished[rows] |= hit_stop
             # the last token is fed too, so the cache is complete if the episode continues
             st.finite.label = f"decode step {step} (column {c})"
             logits = self._forward(st, rows, c, c + 1)
             st.next_logits[rows] = logits[:, -1].float()
-            active[rows[done]] = False
+            active[rows] &= ~(hit_stop | (budget[rows] <= 0))
             st.cur += 1
 
     def _finish(self, st: _GenState, t0: float) -> RolloutBatch:
