@@ -157,6 +157,19 @@ def test_pareto_and_claims_logic():
     assert c["a"]["held"] and c["d"]["held"]
     align["trace"]["mismatch/kl_k3"] = 5e-6  # no longer a third of qat-r3's
     assert not claims(res)["a"]["held"]
+    # studies without the per-token spread (run before it was recorded) are neither re-judged nor flagged
+    assert claims(res)["a"]["robust"] is None and claims(res)["a"]["fragile"] == []
+    # one token carries qat-r3's kl_k3: without the worst tokens trace is well below it, and the
+    # verdict on the full kl_k3 is flagged as resting on that token
+    trimmed = {"none": 1e-4, "qat": 9e-6, "qat-r3": 8e-6, "trace": 1e-6, "trace-full": 1e-7}
+    for name, kl in trimmed.items():
+        align[name]["mismatch/kl_k3_trim5"] = kl
+        align[name]["mismatch/kl_k3_top1_share"] = 0.1
+    align["qat-r3"]["mismatch/kl_k3_top1_share"] = 0.9
+    c = claims(res)
+    assert not c["a"]["held"] and c["a"]["robust"] is True and c["a"]["fragile"] == ["arith/bfloat16"]
+    align["qat-r3"]["mismatch/kl_k3_top1_share"] = 0.4
+    assert claims(res)["a"]["fragile"] == []
 
 
 def test_budget_starts_a_cell_only_if_the_longest_of_its_kind_fits(monkeypatch):

@@ -91,5 +91,13 @@ def test_mismatch_metrics_by_hand():
     out = mismatch_metrics(torch.log(torch.tensor([[0.5, 0.2, 0.3, 0.3]])), torch.log(torch.tensor([[0.2, 0.5, 0.3, 0.3]])),
                            torch.ones(1, 4, dtype=torch.bool))
     assert out["mismatch/frac_ratio_outside_0.5_2"] == 0.5
+    # k3 per token (hand): r = 1.9 -> 0.9 - ln 1.9 = 0.258146, r = 1 -> 0; the worst is all of it
+    assert m["mismatch/kl_k3_top1_share"] == pytest.approx(1.0) and m["mismatch/tokens"] == 2
+    assert math.isnan(m["mismatch/kl_k3_trim5"])  # fewer than 6 tokens
+    ratios = torch.tensor([[3.0] + [1.1] * 9], dtype=torch.float64)
+    big = mismatch_metrics(ratios.log(), torch.zeros(1, 10), torch.ones(1, 10, dtype=torch.bool))
+    k_big, k_small = 2 - math.log(3), 0.1 - math.log(1.1)
+    assert big["mismatch/kl_k3_top1_share"] == pytest.approx(k_big / (k_big + 9 * k_small), rel=1e-9)
+    assert big["mismatch/kl_k3_trim5"] == pytest.approx(k_small, rel=1e-9)  # 5 of 10 dropped, the rest equal
     with pytest.raises(ValueError, match="empty"):
         mismatch_metrics(train, roll, torch.zeros_like(mask))

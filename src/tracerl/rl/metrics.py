@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+TRIM = 5  # kl_k3_trim5: the mean k3 without the 5 largest tokens
+
 
 def mismatch_metrics(train_logp_NT: torch.Tensor, rollout_logp_NT: torch.Tensor, mask_NT: torch.Tensor) -> dict[str, float]:
     """Compare the trainer's and the rollout's logprobs of the sampled tokens over `mask_NT`."""
@@ -15,8 +17,16 @@ def mismatch_metrics(train_logp_NT: torch.Tensor, rollout_logp_NT: torch.Tensor,
     log_r = lt - lr  # r = pi_train / pi_rollout
     r = torch.exp(log_r)
     dp = (torch.exp(lt) - torch.exp(lr)).abs()
+    k3 = r - 1 - log_r
+    n, total = k3.numel(), float(k3.sum())
+    worst = torch.topk(k3, min(TRIM, n)).values
     return {
-        "mismatch/kl_k3": float((r - 1 - log_r).mean()),
+        "mismatch/kl_k3": float(k3.mean()),
+        # how much of kl_k3 a handful of tokens carry: with low mismatch one low-probability token
+        # can be most of it, and two alignments then differ by that token's noise, not by method
+        "mismatch/kl_k3_top1_share": float(worst[0]) / total if total > 0 else 0.0,
+        f"mismatch/kl_k3_trim{TRIM}": (total - float(worst.sum())) / (n - TRIM) if n > TRIM else float("nan"),
+        "mismatch/tokens": float(n),
         "mismatch/logp_abs_diff_mean": float(log_r.abs().mean()),
         "mismatch/prob_abs_diff_mean": float(dp.mean()),
         "mismatch/prob_abs_diff_max": float(dp.max()),
