@@ -170,6 +170,16 @@ def test_pareto_and_claims_logic():
     assert not c["a"]["held"] and c["a"]["robust"] is True and c["a"]["fragile"] == ["arith/bfloat16"]
     align["qat-r3"]["mismatch/kl_k3_top1_share"] = 0.4
     assert claims(res)["a"]["fragile"] == []
+    # a second study whose qat-r3 mismatch is already negligible (1e-9) is not judged, whatever
+    # the ratio of its noise-level values
+    small = {k: {"mismatch/kl_k3": v, "bytes_per_token": 100} for k, v in
+             {"none": 5e-3, "qat": 2e-9, "qat-r3": 1.7e-9, "trace": 8e-10, "trace-full": 5e-11}.items()}
+    res["study"]["maze/bfloat16"] = {"dtype": "bfloat16", "alignments": small}
+    align["trace"]["mismatch/kl_k3"] = 1e-6
+    c = claims(res)
+    assert c["a"]["held"] is True and c["a"]["rows"][1][-1] is None and c["d"]["rows"][1][-1] is None
+    del res["study"]["arith/bfloat16"]
+    assert claims(res)["a"]["held"] is None and claims(res)["a"]["rows"]
 
 
 def test_budget_starts_a_cell_only_if_the_longest_of_its_kind_fits(monkeypatch):
