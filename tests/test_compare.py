@@ -96,6 +96,23 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     again = run_suite("micro", out, configs, log=logs.append, time_budget=0)
     assert again["complete"] and set(again["runs"]) == set(res["runs"]) and set(again["study"]) == set(res["study"])
     assert logs == ["restored 5 cells from " + str(out / "micro" / "results.json")]
+    # a study recorded before the per-token kl spread existed is kept for the report, and re-run
+    # (last, only if the budget allows) to fill it in
+    sp = next((out / "micro" / "cells").glob("study-arith-bfloat16-*.json"))
+    old_rec = json.loads(sp.read_text())
+    for a in old_rec["alignments"].values():
+        for k in ("mismatch/kl_k3_trim5", "mismatch/kl_k3_top1_share", "mismatch/tokens"):
+            del a[k]
+    del old_rec["schema"]
+    sp.write_text(json.dumps(old_rec))
+    logs.clear()
+    kept = run_suite("micro", out, configs, log=logs.append, time_budget=0)
+    assert logs == [] and "mismatch/kl_k3_trim5" not in kept["study"]["arith/bfloat16"]["alignments"]["trace"]
+    upgraded = run_suite("micro", out, configs, log=logs.append)
+    assert logs == ["mismatch study arith/bfloat16: re-run (recorded before schema 2)"]
+    assert upgraded["study"]["arith/bfloat16"]["alignments"]["trace"]["mismatch/kl_k3"] == kl  # same batch, same numbers
+    assert "mismatch/kl_k3_trim5" in json.loads(sp.read_text())["alignments"]["trace"]
+
     # on a fresh machine (cells committed, weights not) a missing ptq cell re-trains the bf16 row
     # it needs instead of stopping the suite, and the re-trained record replaces the old one
     for p in (out / "micro" / "cells").glob("ptq-*.json"):
