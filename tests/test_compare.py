@@ -256,3 +256,16 @@ def test_report_shows_the_start_reward_and_flags_rl_that_lowered_it_everywhere(t
     assert "| bf16 | 0.900 -> 0.500 +- 0.000 |" in report
     assert "| 0.500 -> 0.860 +- 0.000 |" in report  # trace/maze: (0.7 + 4 * 0.9) / 5
     assert "RL lowered the sampled reward in every row of arith**" in report
+
+
+def test_report_renders_the_gpu_benchmark_from_its_json():
+    from tracerl.compare_report import _gpu_bench_lines
+    bench = {"env": {"gpu": "H200", "model": "m", "layers": 2, "copy_GBps": 4000.0},
+             "points": [{"recipe": "w4a4kv4", "context": 1024, "batch": 16, "tok_per_s": 1216.3, "ms_per_step": 13.154,
+                         "roofline_frac": 0.238, "peak_mem_gib": 18.64},
+                        {"recipe": "bf16", "context": 8192, "batch": 256, "fits": False}],
+             "speedups": [{"recipe": "w4a4kv4", "context": 1024, "batch": 16, "vs": "bf16 equal batch", "speedup": 0.999},
+                          {"recipe": "w4a4kv4", "context": 1024, "batch": 16, "vs": "peer", "speedup": 5.65}]}
+    text = "\n".join(_gpu_bench_lines(bench))
+    assert "| w4a4kv4 | 1024 | 16 | 1216 | 13.15 | 0.24 | 18.6 | 1.00 |" in text
+    assert "| bf16 | 8192 | 256 | does not fit |" in text and "vs peer: 5.65x" in text and "(4000 GB/s)" in text

@@ -341,11 +341,37 @@ def write_report(results_path: str | Path) -> Path:
             return _f(v, True) if isinstance(v, float) else "not judged (negligible)" if v is None else str(v)
         L.append(f"- {names[k]}: " + "; ".join(", ".join(cell(v) for v in r) for r in cl[k]["rows"]))
     if "gpu_bench" in results:
-        L += ["", "## Rollout speed (from bench/results/rollout_h200.json)", "", "See bench/RESULTS.md for the table."]
+        L += _gpu_bench_lines(results["gpu_bench"])
     L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     path = out / "report.md"
     path.write_text("\n".join(L) + "\n")
     return path
+
+
+def _gpu_bench_lines(bench: dict) -> list[str]:
+    """The engine benchmark's decode points (bench/rollout.py JSON) as a table, speedups vs BF16 beside them."""
+    env = bench.get("env", {})
+    speed = {(x["recipe"], x["context"], x["batch"]): x["speedup"] for x in bench.get("speedups", [])
+             if x["vs"] == "bf16 equal batch"}
+    L = ["", "## Rollout speed (bench/results/rollout_h200.json, `bench/rollout.py`)", "",
+         f"Decode on one {env.get('gpu', 'GPU')}, `{env.get('model', '?')}` shapes ({env.get('layers', '?')} layers, "
+         f"random weights), CUDA-graph decode step; roofline = the step's bytes at the copy bandwidth measured in "
+         f"the same run ({env.get('copy_GBps', float('nan')):.0f} GB/s).", "",
+         "| recipe | context | batch | tok/s | ms/step | roofline fraction | peak GiB | x BF16 (equal batch) |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for pt in bench.get("points", []):
+        batch = f"{pt['batch']}{' (largest)' if pt.get('largest') else ''}"
+        if "tok_per_s" not in pt:
+            L.append(f"| {pt['recipe']} | {pt['context']} | {batch} | does not fit | | | | |")
+            continue
+        x = speed.get((pt["recipe"], pt["context"], pt["batch"]))
+        L.append(f"| {pt['recipe']} | {pt['context']} | {batch} | {pt['tok_per_s']:.0f} | {pt['ms_per_step']:.2f} | "
+                 f"{pt['roofline_frac']:.2f} | {pt['peak_mem_gib']:.1f} | {'-' if x is None else f'{x:.2f}'} |")
+    others = [x for x in bench.get("speedups", []) if x["vs"] != "bf16 equal batch"]
+    if others:
+        L += ["", "Other ratios: " + "; ".join(f"{x['recipe']} ctx {x['context']} batch {x['batch']} vs {x['vs']}: "
+                                               f"{x['speedup']:.2f}x" for x in others)]
+    return L
 
 
 # below this kl_k3 (nats per token) a mismatch is negligible for RL: importance ratios stay within
