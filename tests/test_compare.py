@@ -213,6 +213,24 @@ def test_budget_starts_a_cell_only_if_the_longest_of_its_kind_fits(monkeypatch):
     assert Budget(None).allows("run")
 
 
+def test_claim_c_pairs_seeds_needs_two_standard_errors_and_skips_a_saturated_task():
+    def run(reward):
+        return {"history": [{"reward/mean": reward}], "final_eval": {"eval/reward": reward}}
+    res = {"study": {}, "tasks": ["arith", "maze"], "runs": {"trace/maze/0": run(1.0)}, "ptq": {"maze/0": {"eval/reward": 1.0}}}
+    trace, ptq = [0.80, 0.85, 0.90], [0.70, 0.80, 0.82]
+    for seed, (t, p) in enumerate(zip(trace, ptq)):
+        res["runs"][f"trace/arith/{seed}"] = run(t)
+        res["ptq"][f"arith/{seed}"] = {"eval/reward": p}
+    c = claims(res)["c"]
+    # per-seed differences 0.10, 0.05, 0.08: mean 0.0767, sd 0.02517, two standard errors 0.02906
+    task, t_m, p_m, margin, held = c["rows"][0]
+    assert (task, held) == ("arith", True) and margin == pytest.approx(2 * 0.025166 / 3 ** 0.5, rel=1e-4)
+    assert c["rows"][1] == ("maze", 1.0, 1.0, 0.0, None) and c["held"] is True
+    # the same means with seeds that disagree: the difference is within the noise
+    res["ptq"]["arith/0"]["eval/reward"], res["ptq"]["arith/2"]["eval/reward"] = 0.85, 0.67
+    assert claims(res)["c"]["held"] is False
+
+
 def test_claims_not_measured_when_rows_are_missing():
     res = {"study": {}, "tasks": ["arith"], "runs": {}, "ptq": {}}
     assert all(v["held"] is None for v in claims(res).values())
