@@ -163,7 +163,8 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
 
     b16 = {"gu": frac * wgu.numel() * 2, "dn": frac * wdn.numel() * 2}
     b4 = {"gu": frac * qgu.nbytes, "dn": frac * qdn.nbytes}
-    pf_gain = 0.0
+    pf_gain = swap_gain = 0.0
+    swap_cfg: dict = {}
     for kind, mk, w4, wb, a16, a4 in (("gu", gu, qgu, wgu, x, xq), ("dn", dn, qdn, wdn, h, hq)):
         fg.PREFETCH = True
         best = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton", mk(w4, a16, c), b4[kind], config=c))
@@ -177,7 +178,23 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
         fg.PREFETCH = True
         t_pf = min(r["ms"] for r in out if r.get("kernel") == f"{kind} w4a16 triton" and "ms" in r)
         pf_gain += t_nopf - t_pf
+        # swapped operands (weight rows on the tensor-core M side): every config, both activation formats
+        fg.SWAP_AB = True
+        best_s = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton swap", mk(w4, a16, c), b4[kind], config=c))
+        best4_s = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} w4a4 triton swap", mk(w4, a4, c), b4[kind],
+                                                           config=c))
+        fg.SWAP_AB = False
+
+        def fastest(name):
+            return min((r["ms"], tuple(r["config"])) for r in out if r.get("kernel") == name and "ms" in r)
+        for a4_, plain, swapped, cfg_s in ((False, f"{kind} w4a16 triton", f"{kind} w4a16 triton swap", best_s),
+                                           (True, f"{kind} w4a4 triton", f"{kind} w4a4 triton swap", best4_s)):
+            swap_gain += fastest(plain)[0] - fastest(swapped)[0]
+            swap_cfg[(True, a4_, kind == "gu")] = cfg_s
     fg.PREFETCH = pf_gain >= 0
+    if swap_gain > 0:  # the swapped kernel with its own tuned tiles for the decode sweep
+        fg.SWAP_AB = True
+        fg.TUNED.update(swap_cfg)
 
     def moe_grouped_mm():
         xs = x[tok.long()]
@@ -212,6 +229,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
         "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
                                                         num_warps=c[1]), nb4, config=c, context=ctx))
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "prefetch": fg.PREFETCH,
+                "swap_ab": fg.SWAP_AB, "swap_gain_ms": swap_gain,
                 "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
     return out

@@ -56,7 +56,18 @@ def _experts(E, O, K, dev, seed=0):
     return w.to(dev), qat.quantize_weight(w, "nvfp4").to(dev)
 
 
-def check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
+def check_grouped_gemm(dev: str, **kw):
+    """The grouped GEMM against its reference in both operand orders (fg.SWAP_AB off and on)."""
+    saved = fg.SWAP_AB
+    try:
+        for swap in (False, True):
+            fg.SWAP_AB = swap
+            _check_grouped_gemm(dev, **kw)
+    finally:
+        fg.SWAP_AB = saved
+
+
+def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
     g = torch.Generator().manual_seed(1)
     w_gu, q_gu = _experts(E, 2 * F, D, dev, 1)
     w_dn, q_dn = _experts(E, D, F, dev, 2)

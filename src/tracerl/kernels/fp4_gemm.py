@@ -58,6 +58,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 USE_ASM = not INTERPRET  # the PTX nibble conversion; `selfcheck` turns it off if it disagrees
 C_INTERPRET = tl.constexpr(INTERPRET)
 PREFETCH = True  # load the next K tile's packed weights before dequantizing this one (A/B in the bench)
+# Swap A and B for FP4 weights: the dequantized weight tile (BN rows) is the dot's left operand and the
+# few token rows (BM) its right one, so the tensor-core M dimension is filled by weight rows (decode
+# has ~1-16 rows per expert) and the big operand can stay in registers; the (BN, BM) accumulator is
+# transposed once in the epilogue. Same products and float32 accumulation; A/B in the bench.
+SWAP_AB = False
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""
@@ -159,6 +164,14 @@ def _fp4_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F3
 
 
 @triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr):
+    """acc += a @ w.T, or with SWAP the transposed product acc.T += w @ a.T (acc held as (BN, BM))."""
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def _fp4_tile(c_ptr, s_ptr, rows, rmask, sc, ss, k0, BK: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr,
               F32: tl.constexpr):
     """(even, odd) BF16 tiles (R, BK//2) of c * s8 for columns k0..k0+BK of packed rows `rows`."""
@@ -180,6 +193,7 @@ def _grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
@@ -202,8 +216,12 @@ def _grouped_gemm_kernel(
             arow = tl.load(row_ptr + rows, mask=rmask, other=0)
         else:
             arow = tl.where(rmask, rows, 0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         if W_FP4 and PF:
             # software prefetch: the next K tile's packed bytes are loaded before this tile's dequant
             # (a memory-bound loop whose loads feed register math, not a dot, is not pipelined by Triton)
@@ -234,12 +252,12 @@ def _grouped_gemm_kernel(
                         a = a.to(tl.float32)
                     a_ev, a_od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
                 w_ev, w_od = _fp4_dequant(pw, sw, BN, BK, ASM, F32)
-                acc = tl.dot(a_ev, tl.trans(w_ev), acc)
-                acc = tl.dot(a_od, tl.trans(w_od), acc)
+                acc = _mma(a_ev, w_ev, acc, SWAP)
+                acc = _mma(a_od, w_od, acc, SWAP)
                 if SWIGLU:
                     u_ev, u_od = _fp4_dequant(pu, su, BN, BK, ASM, F32)
-                    acc2 = tl.dot(a_ev, tl.trans(u_ev), acc2)
-                    acc2 = tl.dot(a_od, tl.trans(u_od), acc2)
+                    acc2 = _mma(a_ev, u_ev, acc2, SWAP)
+                    acc2 = _mma(a_od, u_od, acc2, SWAP)
                 if PF:
                     pw, sw, pu, su = pw_n, sw_n, pu_n, su_n
             else:
@@ -254,6 +272,9 @@ def _grouped_gemm_kernel(
                     if F32:
                         ut = ut.to(tl.float32)
                     acc2 = tl.dot(a, tl.trans(ut), acc2)
+        if SWAP:
+            acc = tl.trans(acc)
+            acc2 = tl.trans(acc2)
         scale = tl.zeros((BM,), dtype=tl.float32) + inv_gw
         if A_FP4:
             scale = scale / tl.load(ag_ptr + arow, mask=rmask, other=1.0)
@@ -418,7 +439,8 @@ def grouped_gemm(
         out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
-        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=PREFETCH, num_warps=nw,
+        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=PREFETCH,
+        SWAP=SWAP_AB and w_fp4, num_warps=nw,
         num_stages=3,
     )
     return out
