@@ -113,6 +113,7 @@ def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: 
 
 
 GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8)]
+VARIANTS = {"swap": (True, False), "tma": (False, True), "swap+tma": (True, True)}  # (SWAP_AB, TMA_W)
 ATTN_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8)]
 
 
@@ -163,8 +164,12 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
 
     b16 = {"gu": frac * wgu.numel() * 2, "dn": frac * wdn.numel() * 2}
     b4 = {"gu": frac * qgu.nbytes, "dn": frac * qdn.nbytes}
-    pf_gain = swap_gain = 0.0
-    swap_cfg: dict = {}
+    def fastest(name: str) -> float:
+        return min((r["ms"] for r in out if r.get("kernel") == name and "ms" in r), default=float("inf"))
+
+    pf_gain = 0.0
+    gains: dict[str, float] = {}  # ms saved over the default kernel, summed over GEMM kinds and formats
+    var_cfg: dict[str, dict] = {}
     for kind, mk, w4, wb, a16, a4 in (("gu", gu, qgu, wgu, x, xq), ("dn", dn, qdn, wdn, h, hq)):
         fg.PREFETCH = True
         best = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton", mk(w4, a16, c), b4[kind], config=c))
@@ -178,23 +183,22 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
         fg.PREFETCH = True
         t_pf = min(r["ms"] for r in out if r.get("kernel") == f"{kind} w4a16 triton" and "ms" in r)
         pf_gain += t_nopf - t_pf
-        # swapped operands (weight rows on the tensor-core M side): every config, both activation formats
-        fg.SWAP_AB = True
-        best_s = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton swap", mk(w4, a16, c), b4[kind], config=c))
-        best4_s = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} w4a4 triton swap", mk(w4, a4, c), b4[kind],
-                                                           config=c))
-        fg.SWAP_AB = False
-
-        def fastest(name):
-            return min((r["ms"], tuple(r["config"])) for r in out if r.get("kernel") == name and "ms" in r)
-        for a4_, plain, swapped, cfg_s in ((False, f"{kind} w4a16 triton", f"{kind} w4a16 triton swap", best_s),
-                                           (True, f"{kind} w4a4 triton", f"{kind} w4a4 triton swap", best4_s)):
-            swap_gain += fastest(plain)[0] - fastest(swapped)[0]
-            swap_cfg[(True, a4_, kind == "gu")] = cfg_s
+        # kernel variants (fp4_gemm.SWAP_AB: weight rows on the tensor-core M side; TMA_W: weight codes
+        # by pipelined TMA loads): every config, both activation formats
+        for var, (swap, tma) in VARIANTS.items():
+            fg.SWAP_AB, fg.TMA_W = swap, tma
+            for a4_, act, cfgs in ((False, a16, GEMM_CONFIGS), (True, a4, GEMM_CONFIGS[:4])):
+                name = f"{kind} {'w4a4' if a4_ else 'w4a16'} triton {var}"
+                best_v = min(cfgs, key=lambda c: rec(name, mk(w4, act, c), b4[kind], config=c))
+                plain, t_v = fastest(name.rsplit(" ", 1)[0]), fastest(name)
+                gains[var] = gains.get(var, 0.0) + (float("-inf") if t_v == float("inf") else plain - t_v)
+                var_cfg.setdefault(var, {})[(True, a4_, kind == "gu")] = best_v
+        fg.SWAP_AB = fg.TMA_W = False
     fg.PREFETCH = pf_gain >= 0
-    if swap_gain > 0:  # the swapped kernel with its own tuned tiles for the decode sweep
-        fg.SWAP_AB = True
-        fg.TUNED.update(swap_cfg)
+    best_var = max(gains, key=gains.get) if gains else None
+    if best_var is not None and gains[best_var] > 0:  # keep the variant (with its own tiles) for the decode sweep
+        fg.SWAP_AB, fg.TMA_W = VARIANTS[best_var]
+        fg.TUNED.update(var_cfg[best_var])
 
     def moe_grouped_mm():
         xs = x[tok.long()]
@@ -229,7 +233,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
         "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
                                                         num_warps=c[1]), nb4, config=c, context=ctx))
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "prefetch": fg.PREFETCH,
-                "swap_ab": fg.SWAP_AB, "swap_gain_ms": swap_gain,
+                "swap_ab": fg.SWAP_AB, "tma_w": fg.TMA_W, "variant_gain_ms": gains,
                 "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
     return out

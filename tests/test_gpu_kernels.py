@@ -57,14 +57,13 @@ def _experts(E, O, K, dev, seed=0):
 
 
 def check_grouped_gemm(dev: str, **kw):
-    """The grouped GEMM against its reference in both operand orders (fg.SWAP_AB off and on)."""
-    saved = fg.SWAP_AB
+    """The grouped GEMM against its reference in every kernel variant (operand order, TMA weight loads)."""
+    saved = fg.SWAP_AB, fg.TMA_W
     try:
-        for swap in (False, True):
-            fg.SWAP_AB = swap
+        for fg.SWAP_AB, fg.TMA_W in ((False, False), (True, False), (False, True), (True, True)):
             _check_grouped_gemm(dev, **kw)
     finally:
-        fg.SWAP_AB = saved
+        fg.SWAP_AB, fg.TMA_W = saved
 
 
 def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):

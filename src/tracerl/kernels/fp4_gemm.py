@@ -63,6 +63,11 @@ PREFETCH = True  # load the next K tile's packed weights before dequantizing thi
 # has ~1-16 rows per expert) and the big operand can stay in registers; the (BN, BM) accumulator is
 # transposed once in the epilogue. Same products and float32 accumulation; A/B in the bench.
 SWAP_AB = False
+# Load the packed weight codes with the tensor-memory accelerator (a host TensorDescriptor over the
+# (E*O, K/2) codes): TMA copies land in shared memory asynchronously and Triton pipelines them over
+# num_stages, where plain loads that feed register math (not a dot) are not pipelined. Scales (1/8
+# of the bytes, rows of K/16 < TMA's 16-byte minimum box at BK=128) keep plain loads. A/B in the bench.
+TMA_W = False
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""
@@ -156,6 +161,15 @@ def _fp4_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr):
 
 
 @triton.jit
+def _fp4_load_tma(wd, s_ptr, row0, rows, m2, ss, k0, BK: tl.constexpr):
+    """As `_fp4_load`, the codes by one TMA block load of rows row0..row0+R of the (E*O, K/2) descriptor."""
+    p = wd.load([row0, k0 // 2])
+    jb = tl.arange(0, BK // 16)
+    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
+    return p, sb
+
+
+@triton.jit
 def _fp4_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
     """(even, odd) BF16 tiles (R, BK//2) of c * s8 from `_fp4_load`'s bytes."""
     s = _block_scales(sb, R, BK // 16, 8, F32)
@@ -186,14 +200,14 @@ def _fp4_tile(c_ptr, s_ptr, rows, rmask, sc, ss, k0, BK: tl.constexpr, R: tl.con
 def _grouped_gemm_kernel(
     a_ptr, as_ptr, ag_ptr, sa, sas,
     row_ptr,
-    w_ptr, ws_ptr, wg_ptr, swe, swn, sse, ssn,
+    w_ptr, ws_ptr, wg_ptr, swe, swn, sse, ssn, wd, OW,
     offs_ptr, te_ptr, tm_ptr,
     out_ptr, so, dst_ptr, gate_ptr,
     NOUT, K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
@@ -222,7 +236,9 @@ def _grouped_gemm_kernel(
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        if W_FP4 and PF:
+        if W_FP4 and TMA:
+            pass  # TMA loads are pipelined by the compiler: no software prefetch
+        elif W_FP4 and PF:
             # software prefetch: the next K tile's packed bytes are loaded before this tile's dequant
             # (a memory-bound loop whose loads feed register math, not a dot, is not pipelined by Triton)
             cm2 = cmask[:, None]
@@ -232,7 +248,12 @@ def _grouped_gemm_kernel(
                 pu, su = _fp4_load(w_e, ws_e, wrow + NOUT, cm2, swn, ssn, 0, BK)
         for k0 in range(0, K, BK):
             if W_FP4:
-                if PF:
+                if TMA:
+                    pw, sw = _fp4_load_tma(wd, ws_e, e * OW + n0, wrow, cmask[:, None], ssn, k0, BK)
+                    pu, su = pw, sw
+                    if SWIGLU:
+                        pu, su = _fp4_load_tma(wd, ws_e, e * OW + NOUT + n0, wrow + NOUT, cmask[:, None], ssn, k0, BK)
+                elif PF:
                     nxt = cm2 & (k0 + BK < K)
                     pw_n, sw_n = _fp4_load(w_e, ws_e, wrow, nxt, swn, ssn, k0 + BK, BK)
                     pu_n, su_n = pw_n, sw_n
@@ -258,7 +279,7 @@ def _grouped_gemm_kernel(
                     u_ev, u_od = _fp4_dequant(pu, su, BN, BK, ASM, F32)
                     acc2 = _mma(a_ev, u_ev, acc2, SWAP)
                     acc2 = _mma(a_od, u_od, acc2, SWAP)
-                if PF:
+                if PF and not TMA:
                     pw, sw, pu, su = pw_n, sw_n, pu_n, su_n
             else:
                 kk = k0 + tl.arange(0, BK)
@@ -430,17 +451,24 @@ def grouped_gemm(
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     dummy = offsets
+    tma = TMA_W and w_fp4
+    wd = dummy
+    if tma:
+        if not wc.is_contiguous():
+            raise ValueError("TMA weight loads need contiguous weight codes")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        wd = TensorDescriptor.from_tensor(wc.view(E * O, K // 2), [bn, bk // 2])
     grid = (triton.cdiv(NOUT, bn), tiles[0].numel())
     _grouped_gemm_kernel[grid](
         ac, asc, ag, sa, sas,
         row_idx if row_idx is not None else dummy,
-        wc, ws, wg, swe, swn, sse, ssn,
+        wc, ws, wg, swe, swn, sse, ssn, wd, O,
         offsets, tiles[0], tiles[1],
         out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
         SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=PREFETCH,
-        SWAP=SWAP_AB and w_fp4, num_warps=nw,
+        SWAP=SWAP_AB and w_fp4, TMA=tma, num_warps=nw,
         num_stages=3,
     )
     return out
