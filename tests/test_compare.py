@@ -287,3 +287,27 @@ def test_report_renders_the_gpu_benchmark_from_its_json():
     text = "\n".join(_gpu_bench_lines(bench))
     assert "| w4a4kv4 | 1024 | 16 | 1216 | 13.15 | 0.24 | 18.6 | 1.00 |" in text
     assert "| bf16 | 8192 | 256 | does not fit |" in text and "vs peer: 5.65x" in text and "(4000 GB/s)" in text
+
+
+def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, tmp_path):
+    out = tmp_path / "reports"
+    text = MICRO.replace("task: {eval_prompts: 4}", "task: {eval_prompts: 4}\n  run: {eval_every: 0}")
+    (configs / "suite-micro.yaml").write_text(text)
+    first = run_suite("micro", out, configs, log=lambda s: None)
+    old = first["runs"]["bf16/arith/0"]
+    assert not any("eval/acc" in h for h in old["history"])
+    # asking for per-step evals keeps the hash (eval is measurement only) and re-runs the cell last
+    (configs / "suite-micro.yaml").write_text(text.replace("eval_every: 0", "eval_every: 1"))
+    logs: list[str] = []
+    spent = run_suite("micro", out, configs, log=logs.append, time_budget=0)
+    assert logs == [] and spent["complete"] and spent["runs"]["bf16/arith/0"]["hash"] == old["hash"]
+    new = run_suite("micro", out, configs, log=logs.append)
+    assert "re-run bf16/arith/0 for its per-step held-out evals" in logs
+    rec = new["runs"]["bf16/arith/0"]
+    assert all("eval/reward" in h for h in rec["history"]) and rec["history"][-1]["eval/reward"] == rec["final_eval"]["eval/reward"]
+    assert rec["final_eval"] == old["final_eval"]
+
+    def training(h):
+        return {k: v for k, v in h.items() if not k.startswith(("timing/", "throughput/", "eval/"))}
+    assert [training(h) for h in rec["history"]] == [training(h) for h in old["history"]]
+    assert run_suite("micro", out, configs, log=logs.append)["runs"]["bf16/arith/0"]["history"] == rec["history"]

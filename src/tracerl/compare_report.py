@@ -180,8 +180,18 @@ def pareto(sweep: list[dict]) -> list[dict]:
     return front
 
 
+def _band(ax, steps: list[int], per_step: list[list[float]], label: str, **kw):
+    """Plot the mean over seeds with a +- sd band; returns the line."""
+    m = [statistics.fmean(p) for p in per_step]
+    s = [statistics.stdev(p) if len(p) > 1 else 0.0 for p in per_step]
+    (line,) = ax.plot(steps, m, label=label, **kw)
+    ax.fill_between(steps, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], alpha=0.12, color=line.get_color())
+    return line
+
+
 def write_plots(results: dict, out: Path) -> list[str]:
-    """reward_<task>.png (per step, mean +- sd over seeds), pareto_<task>.png; returns file names."""
+    """reward_<task>.png (training and, if evaluated per step, held-out reward per step; mean +- sd
+    over seeds), pareto_<task>.png; returns file names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,22 +201,30 @@ def write_plots(results: dict, out: Path) -> list[str]:
     for task in results["tasks"]:
         if not any(k.split("/")[1] == task for k in results["runs"]):
             continue  # nothing trained on this task yet (a partial suite)
-        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        # held-out reward per step where the runs evaluated during training (run.eval_every)
+        has_eval = any("eval/reward" in h for k, r in results["runs"].items() if k.split("/")[1] == task
+                       for h in r["history"])
+        fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6.5, 3.8), squeeze=False)
+        ax, ax_ev = axes[0][0], (axes[0][1] if has_eval else None)
         for row in results["rows"]:
             runs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
             if not runs:
                 continue
             n = min(len(r["history"]) for r in runs)
-            steps = list(range(1, n + 1))
-            per = [[r["history"][i]["reward/mean"] for r in runs] for i in range(n)]
-            m = [statistics.fmean(p) for p in per]
-            s = [statistics.stdev(p) if len(p) > 1 else 0 for p in per]
-            ax.plot(steps, m, label=row)
-            ax.fill_between(steps, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], alpha=0.12)
+            line = _band(ax, list(range(1, n + 1)), [[r["history"][i]["reward/mean"] for r in runs] for i in range(n)], row)
+            if ax_ev is not None:
+                steps = [i for i in range(n) if all("eval/reward" in r["history"][i] for r in runs)]
+                if steps:
+                    _band(ax_ev, [i + 1 for i in steps], [[r["history"][i]["eval/reward"] for r in runs] for i in steps],
+                          row, color=line.get_color(), marker="o")
         ax.set_xlabel("RL step")
         ax.set_ylabel("train reward")
-        ax.set_title(f"{task}: training reward (mean +- sd over seeds)")
+        ax.set_title(f"{task}: training reward (mean +- sd over seeds)", fontsize=9)
         ax.legend(fontsize=7, ncol=2)
+        if ax_ev is not None:
+            ax_ev.set_xlabel("RL step")
+            ax_ev.set_ylabel("held-out reward (deployed precision)")
+            ax_ev.set_title(f"{task}: held-out reward (mean +- sd over seeds)", fontsize=9)
         fig.tight_layout()
         fig.savefig(out / f"reward_{task}.png", dpi=110)
         plt.close(fig)

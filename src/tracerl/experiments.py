@@ -107,10 +107,21 @@ def run_config(suite: Suite, row: str, task: str, seed: int, out_dir: Path, conf
 
 
 def config_hash(cfg: Config) -> str:
-    """Stable hash of everything that determines a run's results (not where it is written)."""
+    """Stable hash of everything that determines a run's results (not where it is written).
+
+    `run.eval_every` only adds held-out measurements (greedy, own seed: training is unchanged,
+    tested), so it is hashed as 0, the value every cell had before suites evaluated per step:
+    those cells keep their hashes and are topped up with per-step evals when the budget allows.
+    """
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard")}
+    d["run"]["eval_every"] = 0
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_is_current(rec: dict, cfg: Config) -> bool:
+    """Whether a run record has the per-step held-out evals its config asks for."""
+    return not cfg.run.eval_every or rec.get("eval_every") == cfg.run.eval_every
 
 
 def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
@@ -136,26 +147,43 @@ def _with(cfg: Config, overrides: list[str]) -> Config:
     return config_from_dict(cfg.to_dict(), overrides)
 
 
-def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[str], None]) -> dict:
-    """Train one row (its record cached by config hash in `cells`); return the record."""
+def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[str], None],
+            refresh: bool = False) -> dict:
+    """Train one row (its record cached by config hash in `cells`); return the record.
+
+    Every `run.eval_every` steps (and at the end) the policy's held-out reward, deployed in the
+    rollout precision, is added to that step's history entry; `final_eval` is the last one.
+    """
     h = config_hash(cfg)
     path = cells / f"run-{h}.json"
-    if path.exists():
+    if path.exists() and not refresh:  # refresh: train again, the old record stands until the new one is written
         return json.loads(path.read_text())
     log(f"train {cfg.run.name}")
     t0 = time.perf_counter()
     tr = Trainer(_with(cfg, ["run.checkpoint_every=0", "run.eval_every=0"]))
     tr.start_from(warm)
-    history = [tr.train_step() for _ in range(cfg.train.steps)]
+    every = cfg.run.eval_every
+    history = []
+    for step in range(1, cfg.train.steps + 1):
+        history.append(tr.train_step())
+        if every and step % every == 0 and step < cfg.train.steps:
+            history[-1].update(tr.evaluate())
     final = tr.evaluate()
+    if every:
+        history[-1].update(final)
     tr.close()
     model_path = cache / f"model-{h}.pt"
     ckpt.save_atomic({"model": tr.model.state_dict()}, model_path)
     rec = {"name": cfg.run.name, "hash": h, "config": cfg.to_dict(), "history": history,
            "final_eval": final, "wall_s": time.perf_counter() - t0, "model_path": model_path.name,
-           "device": str(tr.device)}
+           "device": str(tr.device), "eval_every": every}
     _write_json(path, rec)
     return rec
+
+
+def _run_summary(rec: dict) -> dict:
+    """What results.json keeps of a run record (enough to restore its cell)."""
+    return {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s", "eval_every") if k in rec}
 
 
 def _write_json(path: Path, obj: dict, indent: int | None = None) -> None:
@@ -360,6 +388,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
 
     warm_cache: dict = {}
     stale: list[tuple] = []
+    stale_runs: list[tuple] = []
 
     def warm_for(cfg: Config) -> dict:
         key = (cfg.task.name, cfg.train.seed)
@@ -405,7 +434,9 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                         if rec is None:
                             missing.append(f"ptq/{task}/{seed}")
                             continue
-                    results["runs"][key] = {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s")}
+                    results["runs"][key] = _run_summary(rec)
+                    if not run_is_current(rec, cfg):
+                        stale_runs.append((key, cfg))
                     if row == "bf16":
                         p = cells / f"ptq-{rec['hash']}.json"
                         ptq = cell("ptq", f"ptq/{task}/{seed}", p, lambda cfg=cfg, rec=rec: eval_ptq(cfg, rec, cache))
@@ -413,8 +444,18 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                             results["ptq"][f"{task}/{seed}"] = ptq
             for dt in dtypes[1:]:
                 study(dt)
-    # studies recorded before the current schema are re-run last, once every missing cell is done;
-    # until then the old record stands (it lacks only the newer metrics)
+    # runs and studies recorded before the current schema (no per-step evals; no per-token kl
+    # spread) are re-run last, once every missing cell is done; until then the old record stands
+    for key, cfg in stale_runs:
+        if not budget.allows("run"):
+            break
+        log(f"re-run {key} for its per-step held-out evals")
+        t0 = time.perf_counter()
+        rec = run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
+        budget.ran("run", time.perf_counter() - t0)
+        # (a ptq cell stays: it evaluated this config's training, which the re-run repeats; bit for
+        # bit on CPU, up to GPU reduction order on CUDA)
+        results["runs"][key] = _run_summary(rec)
     for label, p, base_cfg, dt in stale:
         if not budget.allows("study"):
             break
