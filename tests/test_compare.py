@@ -305,7 +305,7 @@ def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, t
     assert "re-run bf16/arith/0 for its per-step held-out evals" in logs
     rec = new["runs"]["bf16/arith/0"]
     assert all("eval/reward" in h for h in rec["history"]) and rec["history"][-1]["eval/reward"] == rec["final_eval"]["eval/reward"]
-    assert rec["final_eval"] == old["final_eval"]
+    assert rec["final_eval"] == old["final_eval"] and new["ptq"]["arith/0"] == first["ptq"]["arith/0"]  # ptq re-made, same weights
 
     def training(h):
         return {k: v for k, v in h.items() if not k.startswith(("timing/", "throughput/", "eval/"))}

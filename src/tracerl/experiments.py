@@ -453,9 +453,15 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
         t0 = time.perf_counter()
         rec = run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
         budget.ran("run", time.perf_counter() - t0)
-        # (a ptq cell stays: it evaluated this config's training, which the re-run repeats; bit for
-        # bit on CPU, up to GPU reduction order on CUDA)
         results["runs"][key] = _run_summary(rec)
+        if key.startswith("bf16/"):
+            # the re-run is another realisation (a warm start recomputed on another machine differs
+            # in float summation order): ptq must quantize these weights, or claim (c)'s per-seed
+            # pairing compares different trainings
+            task_seed = key.split("/", 1)[1]
+            ptq = eval_ptq(cfg, rec, cache)
+            _write_json(cells / f"ptq-{rec['hash']}.json", ptq)
+            results["ptq"][task_seed] = ptq
     for label, p, base_cfg, dt in stale:
         if not budget.allows("study"):
             break
