@@ -155,18 +155,20 @@ def _fp4_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr):
     """Packed codes (R, BK//2) and scale bytes (R, BK//16) of columns k0..k0+BK of rows `rows` (mask m2 (R, 1))."""
     j = tl.arange(0, BK // 2)
     p = tl.load(c_ptr + rows[:, None] * sc + (k0 // 2 + j)[None, :], mask=m2, other=0)
+    return p, _scale_load(s_ptr, rows, m2, ss, k0, BK)
+
+
+@triton.jit
+def _scale_load(s_ptr, rows, m2, ss, k0, BK: tl.constexpr):
+    """E4M3 scale bytes (R, BK//16) of columns k0..k0+BK of rows `rows` (mask m2 (R, 1))."""
     jb = tl.arange(0, BK // 16)
-    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
-    return p, sb
+    return tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
 
 
 @triton.jit
 def _fp4_load_tma(wd, s_ptr, row0, rows, m2, ss, k0, BK: tl.constexpr):
     """As `_fp4_load`, the codes by one TMA block load of rows row0..row0+R of the (E*O, K/2) descriptor."""
-    p = wd.load([row0, k0 // 2])
-    jb = tl.arange(0, BK // 16)
-    sb = tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
-    return p, sb
+    return wd.load([row0, k0 // 2]), _scale_load(s_ptr, rows, m2, ss, k0, BK)
 
 
 @triton.jit
@@ -236,9 +238,7 @@ def _grouped_gemm_kernel(
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        if W_FP4 and TMA:
-            pass  # TMA loads are pipelined by the compiler: no software prefetch
-        elif W_FP4 and PF:
+        if W_FP4 and PF and not TMA:  # (TMA loads are pipelined by the compiler: no software prefetch)
             # software prefetch: the next K tile's packed bytes are loaded before this tile's dequant
             # (a memory-bound loop whose loads feed register math, not a dot, is not pipelined by Triton)
             cm2 = cmask[:, None]
