@@ -61,6 +61,11 @@ def _held(rows: list[tuple]) -> bool | None:
     return all(judged) if judged else None
 
 
+def _judged_studies(results: dict) -> dict[str, dict]:
+    """The studies claims and the default policy are judged on: bf16 ones (the RL precision), else all."""
+    return {k: v for k, v in results["study"].items() if v["dtype"] == "bfloat16"} or dict(results["study"])
+
+
 def _claim_a_rows(studies: dict, metric: str) -> list[tuple]:
     """(study, trace, qat-r3, qat, none, held) with trace below a third of qat-r3's and none's `metric`.
 
@@ -117,7 +122,7 @@ def claims(results: dict) -> dict[str, dict]:
     out = {}
     # claims are judged in the precision the RL runs used (bf16); the float32 study is a control
     # showing how little mismatch is left when upstream numerics agree to float32 rounding
-    studies = {k: v for k, v in results["study"].items() if v["dtype"] == "bfloat16"} or dict(results["study"])
+    studies = _judged_studies(results)
     # (a) trace mismatch well below fp4-qat and fp4-naive, on the same rollouts
     rows = _claim_a_rows(studies, "mismatch/kl_k3")
     out["a"] = {"held": _held(rows), "rows": rows, "robust": _robust(studies, _claim_a_rows),
@@ -425,7 +430,7 @@ def pick_default_policy(studies: list[dict]) -> dict:
     for st in studies:
         base = st["alignments"]["qat-r3"]["mismatch/kl_k3"]
         best = min(m["mismatch/kl_k3"] for m in st["sweep"])
-        votes = base >= NEGLIGIBLE_KL
+        votes = not _negligible(st["alignments"])
         used += votes
         for m in st["sweep"]:
             p = points.setdefault((m["layers"], m["encoding"]), {"bytes": [], "kept": [], "ok": True})
@@ -445,7 +450,7 @@ def pick_default_policy(studies: list[dict]) -> dict:
 
 
 def _default_choice(results: dict) -> list[str]:
-    studies = [st for st in results["study"].values() if st["dtype"] == "bfloat16"] or list(results["study"].values())
+    studies = list(_judged_studies(results).values())
     d = pick_default_policy(studies)
     if d["studies_used"] == 0:
         why = "No study had a qat-r3 mismatch worth removing, so none can rank the policies; shown: the cheapest."

@@ -390,6 +390,16 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     stale: list[tuple] = []
     stale_runs: list[tuple] = []
 
+    def rerun(key: str, cfg: Config, why: str) -> dict | None:
+        """Train a cached run again if the budget allows (its old record stands until the new one is written)."""
+        if not budget.allows("run"):
+            return None
+        log(why)
+        t0 = time.perf_counter()
+        rec = run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
+        budget.ran("run", time.perf_counter() - t0)
+        return rec
+
     def warm_for(cfg: Config) -> dict:
         key = (cfg.task.name, cfg.train.seed)
         if key not in warm_cache:
@@ -419,8 +429,8 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                 for row in rows:
                     cfg = run_config(suite, row, task, seed, out, configs_dir)
                     key = f"{row}/{task}/{seed}"
-                    run_path = cells / f"run-{config_hash(cfg)}.json"
-                    rec = cell("run", key, run_path, lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
+                    rec = cell("run", key, cells / f"run-{config_hash(cfg)}.json",
+                               lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
                     if rec is None:
                         continue
                     if row == "bf16" and not (cells / f"ptq-{rec['hash']}.json").exists() \
@@ -428,11 +438,9 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                         # weights stay on the machine that trained them (GBs, not committed): a resumed
                         # suite on a fresh machine re-trains the bf16 row for ptq, and the re-trained
                         # record replaces the old one, so ptq evaluates the run the report shows
-                        log(f"re-train {key}: its final weights are not in {cache} and ptq needs them")
-                        run_path.unlink()
-                        rec = cell("run", key, run_path, lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
+                        rec = rerun(key, cfg, f"re-train {key}: its final weights are not in {cache} and ptq needs them")
                         if rec is None:
-                            missing.append(f"ptq/{task}/{seed}")
+                            missing += [key, f"ptq/{task}/{seed}"]
                             continue
                     results["runs"][key] = _run_summary(rec)
                     if not run_is_current(rec, cfg):
@@ -447,12 +455,9 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     # runs and studies recorded before the current schema (no per-step evals; no per-token kl
     # spread) are re-run last, once every missing cell is done; until then the old record stands
     for key, cfg in stale_runs:
-        if not budget.allows("run"):
+        rec = rerun(key, cfg, f"re-run {key} for its per-step held-out evals")
+        if rec is None:
             break
-        log(f"re-run {key} for its per-step held-out evals")
-        t0 = time.perf_counter()
-        rec = run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
-        budget.ran("run", time.perf_counter() - t0)
         results["runs"][key] = _run_summary(rec)
         if key.startswith("bf16/"):
             # the re-run is another realisation (a warm start recomputed on another machine differs
