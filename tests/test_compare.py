@@ -26,6 +26,25 @@ study_samples: 2
 """
 
 
+def assert_markdown_tables(text: str) -> None:
+    """Every table follows a blank line or a heading, and each of its rows has the header's columns."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if not line.startswith("|"):
+            assert "| --- |" not in line, f"line {i + 1}: a table row does not start the line: {line[:60]}"
+            continue
+        if not lines[i - 1].startswith("|"):  # a header row
+            assert not lines[i - 1].strip() or lines[i - 1].startswith("#"), f"line {i + 1}: no blank line before the table"
+            head = line.count("|")
+            assert lines[i + 1].startswith("| ---") and lines[i + 1].count("|") == head, f"line {i + 2}: bad delimiter row"
+        assert line.count("|") == head, f"line {i + 1}: {line.count('|') - 1} columns, the header has {head - 1}"
+
+
+@pytest.mark.parametrize("suite", ["tiny", "small"])
+def test_committed_reports_are_well_formed_markdown(suite):
+    assert_markdown_tables(Path(f"reports/{suite}/report.md").read_text())
+
+
 @pytest.fixture()
 def configs(tmp_path):
     d = tmp_path / "configs"
@@ -78,6 +97,7 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
 
     path = write_report(out / "micro" / "results.json")
     report = path.read_text()
+    assert_markdown_tables(report)
     for k in ("(a)", "(b)", "(c)", "(d)", "Pareto front", "CachePolicy sweep", "Default CachePolicy"):
         assert k in report
     # figures in the report come from results.json

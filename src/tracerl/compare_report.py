@@ -258,6 +258,16 @@ def write_plots(results: dict, out: Path) -> list[str]:
     return names
 
 
+def _separate_tables(lines: list[str]) -> list[str]:
+    """Insert the blank line Markdown needs between a line of text and the table after it."""
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("|") and out and out[-1].strip() and not out[-1].startswith(("|", "#")):
+            out.append("")
+        out.append(line)
+    return out
+
+
 def write_report(results_path: str | Path) -> Path:
     """Render report.md (and plots) next to results.json."""
     results_path = Path(results_path)
@@ -305,8 +315,9 @@ def write_report(results_path: str | Path) -> Path:
         layers = sorted({k.split("_")[-1] for a in st["alignments"].values() for k in a if k.startswith("flips/layer_")}, key=int)
         if layers:
             L.append("")
-            L.append("Flip rate per layer: | alignment | " + " | ".join(f"L{i}" for i in layers) + " |")
-            L.append("| --- |" + " --- |" * (len(layers) + 0) + " --- |")
+            L.append("Flip rate per layer:")
+            L.append("| alignment | " + " | ".join(f"L{i}" for i in layers) + " |")
+            L.append("| --- |" + " --- |" * len(layers))
             for name in ALIGN_ROWS:
                 a = st["alignments"][name]
                 L.append(f"| {name} | " + " | ".join(_f(a.get(f'flips/layer_{i}', float('nan')), True) for i in layers) + " |")
@@ -385,7 +396,7 @@ def write_report(results_path: str | Path) -> Path:
         L += _gpu_bench_lines(results["gpu_bench"])
     L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     path = out / "report.md"
-    path.write_text("\n".join(L) + "\n")
+    path.write_text("\n".join(_separate_tables(L)) + "\n")
     return path
 
 
