@@ -182,9 +182,12 @@ def _fp4_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F3
 @triton.jit
 def _mma(a, w, acc, SWAP: tl.constexpr):
     """acc += a @ w.T, or with SWAP the transposed product acc.T += w @ a.T (acc held as (BN, BM))."""
+    # if/else, not an early return: the compiler also lowers the code after a constexpr-if's return
     if SWAP:
-        return tl.dot(w, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(w), acc)
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit

@@ -503,7 +503,7 @@ def _absmax(xk: torch.Tensor, in_code: int) -> torch.Tensor:
     n = flat.numel()
     if n:
         block = 4096 if n >= 4096 else _pow2(n)
-        sms = 8 if INTERPRET else torch.cuda.get_device_properties(xk.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(xk.device).multi_processor_count if xk.is_cuda else 8
         nblocks = triton.cdiv(n, block)
         grid = (max(1, min(nblocks, sms * 4)),)
         _absmax_kernel[grid](flat, cell, n, triton.cdiv(nblocks, grid[0]), BLOCK=block, IN_DTYPE=in_code,

@@ -1,0 +1,185 @@
+"""Compile every Triton kernel for the H200 (sm_90) on a machine without a GPU.
+
+The interpreter checks run the kernels' Python on CPU, but the GPU compiler rejects code the
+interpreter accepts (an early `return` under a constexpr `if` is lowered together with the code
+after it; inline PTX is never seen), and the device machine is lent 30 minutes a session. Triton
+compiles to a cubin with its bundled ptxas and needs no GPU: `compile_only` installs a driver
+that names an sm_90 target and turns every launch into a compile (`warmup`), so the real host
+wrappers run on CPU tensors with the exact arguments and constexprs they pass on the GPU. The
+outputs are left unwritten; only compilation is checked (values are the interpreter's and the
+GPU tests' job).
+
+Run as a script (a fresh process: the module-level driver swap must not leak into other tests):
+    PYTHONPATH=src python tests/hopper_compile.py   -> prints one line per kernel variant, then 'compiled N'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+
+class _Sm90Driver:
+    """The little of Triton's driver interface that compiling (not launching) needs."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def compile_only(log: list):
+    """Launches compile for sm_90 and append (kernel, constexprs, registers or error) to `log`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+    previous = driver._active  # None on a machine without a GPU driver (reset_active would raise)
+
+    def compile_instead(self, *args, grid, warmup, **kw):
+        const = {k: v for k, v in kw.items() if k.isupper()}
+        try:
+            k = run(self, *args, grid=grid, warmup=True, **kw)
+        except Exception as e:  # noqa: BLE001 - reported per variant, the caller fails on any
+            log.append((self.fn.__name__, const, f"{type(e).__name__}: {_cause(e)}"))
+            raise
+        log.append((self.fn.__name__, const, None))
+        return k
+
+    driver.set_active(_Sm90Driver(GPUTarget("cuda", 90, 32)))
+    JITFunction.run = compile_instead
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+        driver.set_active(previous)
+
+
+def _cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+
+
+def _experts(E: int, O: int, K: int):
+    from tracerl import qat
+
+    w = (torch.randn(E, O, K, generator=torch.Generator().manual_seed(E + O + K)) * 0.02).bfloat16()
+    return w, qat.quantize_weight(w, "nvfp4")
+
+
+def compile_variants(log: list) -> None:
+    """Call every kernel wrapper in every variant the GPU path can take, logging each compile in `log`."""
+    from tracerl import fp4
+    from tracerl.kernels import fp4_attention as fa
+    from tracerl.kernels import fp4_gemm as fg
+    from tracerl.kernels import fp4_numerics, fp4_quant
+    from tracerl.rollout import gpu
+    from tracerl.rollout.kvcache import FP4KVCache
+
+    saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM
+    g = torch.Generator().manual_seed(0)
+    E, F, D, T, K = 4, 64, 128, 24, 2
+    with compile_only(log):
+        try:
+            w_gu, q_gu = _experts(E, 2 * F, D)
+            w_dn, q_dn = _experts(E, D, F)
+            x = torch.randn(T, D, generator=g).bfloat16()
+            ids, gates = fg.route_reference(torch.randn(T, E, generator=g), K)
+            offs, tok, pair, gs = fg.dispatch_reference(ids, gates, E)
+            xq = fp4.quantize(x, "nvfp4", per_row_global=True)
+            h = torch.randn(T * K, F, generator=g).bfloat16()
+            out = torch.zeros(T * K, D)
+            for fg.USE_ASM in (True, False):
+                for fg.PREFETCH in (True, False):
+                    for fg.SWAP_AB, fg.TMA_W in ((False, False), (True, False), (False, True), (True, True)):
+                        for w in (w_gu, q_gu):
+                            fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, out_f32=True)
+                            fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+                        fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+                        for w in (w_dn, q_dn):
+                            fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+            wl = fp4.FP4Tensor(q_dn.codes[0], q_dn.scales[0], q_dn.global_scale[0].reshape(1), "nvfp4",
+                               torch.Size((D, F)))
+            fg.fp4_linear(h, wl, out_f32=True)
+            fg.row_tiles(offs, 16, fg.max_row_tiles(E, T * K, 16))
+            fg.route(torch.randn(T, 16, generator=g), 4)
+            fg.dispatch(ids, gates, E)
+
+            B, H, Hkv, Dh, L = 3, 8, 2, 64, 80
+            q = torch.randn(B, H, Dh, generator=g).bfloat16()
+            k, v = (torch.randn(B, L, Hkv, Dh, generator=g).bfloat16() for _ in range(2))
+            lens = torch.tensor([1, 40, L], dtype=torch.int32)
+            kq, vq = (fp4.quantize(t, "nvfp4", per_row_global=True) for t in (k, v))
+            for asm in (True, False):
+                fg.USE_ASM = asm
+                fa.decode_attention(q, lens, k=k, v=v, split_len=32)
+                fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
+                                    v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32)
+            from tracerl.model.layers import rope_cos_sin
+
+            qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()
+            cos, sin = rope_cos_sin(torch.arange(L)[None], Dh, 1e6, torch.bfloat16)
+            pos = torch.tensor([0, 4, 9], dtype=torch.int32)
+            kc = torch.zeros(B, L, Hkv, Dh, dtype=torch.bfloat16)
+            fa.qkv_post(qkv, pos, cos[0].contiguous(), sin[0].contiguous(), torch.ones(2, Dh, dtype=torch.bfloat16),
+                        H, Hkv, Dh, 1e-6, kc, torch.zeros_like(kc))
+            cache = FP4KVCache(2, B, L, Hkv, Dh, device="cpu")
+            kv = fp4.quantize(torch.randn(2, B, Hkv, Dh, generator=g), "nvfp4", per_row_global=True)
+            fa.kv_store_fp4(kv, pos, cache.codes[:, 1], cache.scales[:, 1], cache.gscale[:, 1])
+
+            xs = torch.randn(B, D, generator=g).bfloat16()
+            gpu.add_rmsnorm(xs.clone(), torch.randn(B, 3, D, generator=g), torch.ones(D, dtype=torch.bfloat16), 1e-6,
+                            torch.empty_like(xs))
+            logits = torch.randn(B, 300, generator=g)
+            for temp in (0.0, 0.7):
+                gpu.sample_tokens(logits, temp, torch.zeros(1, dtype=torch.int32), torch.empty(B, dtype=torch.long),
+                                  torch.empty(B))
+
+            a = torch.randn(8, 256, generator=g)
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                for fmt in ("nvfp4", "mxfp4"):
+                    fp4_quant.quantize(a.to(dt), fmt)
+                qr, rec = fp4_quant.quantize(a.to(dt), "nvfp4", per_row_global=True, record="lsb")
+                fp4_quant.quantize(a.to(dt), "nvfp4", global_scale=torch.tensor(448.0 * 6 / 4))
+                fp4_quant.quantize(a.to(dt), "nvfp4", per_row_global=True, record="codes")
+                guide = fp4.RoundingGuide(bit=rec, scales=qr.scales, global_scale=qr.global_scale)
+                fp4_quant.quantize(a.to(dt), "nvfp4", "guided", guide=guide)
+                fp4_quant.dequantize(qr, dt)
+            # the probes as test_kernels.check_probes calls them: these decode integer inputs
+            int_in = {"e2m1_magnitude", "e2m1_decode_bytes", "e4m3_value", "mx_mult", "mx_inv_mult"}
+            for what in fp4_numerics.PROBES:
+                vals = torch.arange(64, dtype=torch.int32) if what in int_in else torch.rand(64, generator=g)
+                fp4_numerics.probe(what, vals)
+        finally:
+            fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM = saved
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("hopper_compile compiles for the GPU: run it without TRITON_INTERPRET=1")
+    failed, entries = 0, []
+    try:
+        compile_variants(entries)
+    except Exception as e:  # noqa: BLE001 - the log names the variant that broke
+        print("stopped:", type(e).__name__, _cause(e))
+        failed = 1
+    for name, const, err in entries:
+        print("FAIL" if err else "ok", name, ",".join(f"{k}={v}" for k, v in sorted(const.items())), err or "")
+    print("compiled", sum(1 for *_, err in entries if err is None))
+    sys.exit(1 if failed or any(err for *_, err in entries) else 0)
