@@ -7,8 +7,8 @@
   exact-tie, zero-block and all-zero inputs, both formats, fp32/bf16/fp16, rtn and guided
   (codes / lsb / mask / scales, packed and unpacked), the fused recording kernel, and the numeric
   helpers (E2M1 index, grid neighbours, E4M3 and bf16 rounding, global scale) swept densely.
-- Interpreter (Triton installed, no CUDA): a subprocess with TRITON_INTERPRET=1 runs a reduced
-  version of the GPU checks on CPU tensors.
+- Interpreter (Triton installed, no CUDA; CI, whose test extra installs Triton): a subprocess with
+  TRITON_INTERPRET=1 runs a reduced version of the GPU checks on CPU tensors.
 Only torch, numpy and pytest are needed (the device has no hypothesis / ml_dtypes).
 """
 

@@ -1,7 +1,8 @@
 """PyTorch references of the decode kernels (fp4_gemm.py, fp4_attention.py), importable without Triton.
 
-The Triton kernels are tested against these on the GPU (and in the Triton interpreter); CI, which
-has no Triton, tests these against the model's and the engine's own ops.
+The Triton kernels are tested against these on the GPU and in the Triton interpreter (CI runs the
+interpreter, and compiles the kernels for sm_90: tests/hopper_compile.py); these are also tested
+against the model's and the engine's own ops.
 """
 
 from __future__ import annotations
