@@ -281,3 +281,58 @@ def test_engine_finiteness_check_costs_no_host_sync_per_site(monkeypatch, kind):
     assert reads[2] == reads[6], reads  # independent of depth
     per_step = (reads[2][1] - reads[2][0]) / 4
     assert per_step <= 2, reads  # the loop's own reads: any active slot (+ the flags), running rows
+
+
+def test_draw_equals_torch_multinomial_bit_for_bit():
+    """The sync-free draw consumes the generator as multinomial does and picks the same indices."""
+    from tracerl.rollout.sampling import draw
+
+    g = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        logits = torch.randn(64, 300, generator=g) * (1 + seed % 4)
+        logits[:, ::7] = float("-inf")  # zero-probability tokens, as top-k / top-p leave them
+        probs = torch.softmax(logits, -1)
+        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.multinomial(probs, 1, generator=a).squeeze(-1)
+        got = draw(probs, b)
+        assert torch.equal(got, want), seed
+        assert torch.equal(a.get_state(), b.get_state())  # the same random numbers were used
+        assert not bool((got % 7 == 0).any())
+
+
+def test_decode_steps_make_no_hidden_device_reads_and_copy_the_slot_list_only_when_it_changes(monkeypatch):
+    # ops that read a device value inside ATen (multinomial checks its probabilities with an .item():
+    # one sync per step on CUDA) are invisible to the Tensor-method count above; a dispatch mode sees
+    # the op (not the read inside it), so it counts the ops known to synchronise
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    syncing = {aten._local_scalar_dense.default, aten.multinomial.default, aten.nonzero.default,
+               aten.masked_select.default, aten.bincount.default, aten._unique2.default,
+               aten.repeat_interleave.Tensor}
+
+    class ScalarReads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ScalarReads.n += func in syncing
+            return func(*args, **(kwargs or {}))
+
+    eng = Engine(M.build("tiny", seed=0), "w4a4kv4")
+    copies = []
+    monkeypatch.setattr(eng, "_to_device", lambda ids, f=eng._to_device: copies.append(list(ids)) or f(ids))
+    reads = {}
+    for steps in (3, 9):
+        ScalarReads.n, copies[:] = 0, []
+        with ScalarReads():
+            eng.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=steps, n=2), seed=0)
+        reads[steps] = ScalarReads.n
+        assert copies == [[0, 1, 2, 3]]  # no stop token: the running slots never change
+    assert reads[3] == reads[9], reads
+    # a row that stops changes the slot list: one copy per change
+    copies[:] = []
+    b = eng.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=12, n=2, stop=tuple(range(64))), seed=0)
+    lengths = [len(b.responses(i)) for i in range(4)]
+    changes = {n for n in lengths if n < max(lengths)}  # steps after which some rows stopped and others ran on
+    assert changes, lengths  # the stop set must end some rows early for this check to mean anything
+    assert len(copies) == 1 + len(changes) and all(len(c) < 4 for c in copies[1:]), (copies, lengths)

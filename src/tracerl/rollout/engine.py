@@ -236,7 +236,7 @@ class Engine:
             a = appended[i]
             toks[j, n - len(a):] = torch.tensor(a)
             mask[j, n - len(a):] = True
-        rows = torch.tensor(idx, device=self.device)
+        rows = self._to_device(idx)
         st.tokens[rows, c:c + n] = toks.to(self.device)
         st.mask[rows, c:c + n] = mask.to(self.device)
         st.finite.label = f"environment tokens (columns {c}-{c + n - 1})"
@@ -260,12 +260,13 @@ class Engine:
         budget = torch.full((len(active),), params.max_new_tokens, device=self.device)
         stop = torch.tensor(params.stop or [-1], device=self.device)
         active = active.clone()
-        step = 0
+        step, rows, rows_of = 0, None, None
         # polled before every sample and after the last forward, so no token comes from a non-finite forward;
         # the per-step updates below index with the slot list and mask with tensors: no further host syncs
         while (running := self._poll(st, active)) and st.cur < self.max_len:
             step += 1
-            rows = torch.tensor(running, device=self.device)
+            if running != rows_of:  # the slot list changes only when a row stops: copy it then, not per step
+                rows, rows_of = self._to_device(running), running
             tok, lp = sample(st.next_logits[rows], params, gen)
             c = st.cur
             st.tokens[rows, c] = tok
@@ -281,6 +282,13 @@ class Engine:
             st.next_logits[rows] = logits[:, -1].float()
             active[rows] &= ~(hit_stop | (budget[rows] <= 0))
             st.cur += 1
+
+    def _to_device(self, ids: list[int]) -> torch.Tensor:
+        """int64 tensor of `ids` on the engine's device; on CUDA from pinned memory, so the copy does not sync."""
+        t = torch.tensor(ids, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _finish(self, st: _GenState, t0: float) -> RolloutBatch:
         length = st.cur

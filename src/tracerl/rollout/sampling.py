@@ -64,5 +64,16 @@ def sample(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
     probs = torch.softmax(masked, dim=-1)
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    return (tok := draw(probs, generator)), logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of probs (R, V), drawn as `torch.multinomial(probs, 1)` draws it, bit for bit.
+
+    multinomial's one-sample path is argmax(p / q) with q ~ Exp(1) from the same generator, after a
+    host-side check of the probabilities (an `.item()`: one device sync per decode step on CUDA).
+    The engine checks the logits for inf/NaN once per step already (`FiniteWatch`), so the check is
+    left out and the draw stays on the device.
+    """
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(dim=-1)
