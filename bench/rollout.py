@@ -113,7 +113,10 @@ def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: 
 
 
 GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8)]
-VARIANTS = {"swap": (True, False), "tma": (False, True), "swap+tma": (True, True)}  # (SWAP_AB, TMA_W)
+# FP4 GEMM variants as (PREFETCH, SWAP_AB, TMA_W) of kernels/fp4_gemm.py (TMA loads are pipelined by
+# the compiler, so they take no software prefetch)
+VARIANTS = {"prefetch": (True, False, False), "plain": (False, False, False), "swap": (False, True, False),
+            "swap+prefetch": (True, True, False), "tma": (False, False, True), "swap+tma": (False, True, True)}
 ATTN_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8)]
 
 
@@ -167,38 +170,24 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     def fastest(name: str) -> float:
         return min((r["ms"] for r in out if r.get("kernel") == name and "ms" in r), default=float("inf"))
 
-    pf_gain = 0.0
-    gains: dict[str, float] = {}  # ms saved over the default kernel, summed over GEMM kinds and formats
-    var_cfg: dict[str, dict] = {}
+    # every (variant, tile) per GEMM kind and activation format; the fastest pair is kept in
+    # fg.KERNEL_VARIANT / fg.TUNED for the decode sweep (no variant won everywhere on the H200)
+    chosen: dict[str, dict] = {}
     for kind, mk, w4, wb, a16, a4 in (("gu", gu, qgu, wgu, x, xq), ("dn", dn, qdn, wdn, h, hq)):
-        fg.PREFETCH = True
-        best = min(GEMM_CONFIGS, key=lambda c: rec(f"{kind} w4a16 triton", mk(w4, a16, c), b4[kind], config=c))
-        fg.TUNED[(True, False, kind == "gu")] = best
-        best4 = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} w4a4 triton", mk(w4, a4, c), b4[kind], config=c))
-        fg.TUNED[(True, True, kind == "gu")] = best4
         bestb = min(GEMM_CONFIGS[:4], key=lambda c: rec(f"{kind} bf16 triton", mk(wb, a16, c), b16[kind], config=c))
         fg.TUNED[(False, False, kind == "gu")] = bestb
-        fg.PREFETCH = False
-        t_nopf = rec(f"{kind} w4a16 triton no prefetch", mk(w4, a16, best), b4[kind], config=best)
-        fg.PREFETCH = True
-        t_pf = min(r["ms"] for r in out if r.get("kernel") == f"{kind} w4a16 triton" and "ms" in r)
-        pf_gain += t_nopf - t_pf
-        # kernel variants (fp4_gemm.SWAP_AB: weight rows on the tensor-core M side; TMA_W: weight codes
-        # by pipelined TMA loads): every config, both activation formats
-        for var, (swap, tma) in VARIANTS.items():
-            fg.SWAP_AB, fg.TMA_W = swap, tma
-            for a4_, act, cfgs in ((False, a16, GEMM_CONFIGS), (True, a4, GEMM_CONFIGS[:4])):
-                name = f"{kind} {'w4a4' if a4_ else 'w4a16'} triton {var}"
-                best_v = min(cfgs, key=lambda c: rec(name, mk(w4, act, c), b4[kind], config=c))
-                plain, t_v = fastest(name.rsplit(" ", 1)[0]), fastest(name)
-                gains[var] = gains.get(var, 0.0) + (float("-inf") if t_v == float("inf") else plain - t_v)
-                var_cfg.setdefault(var, {})[(True, a4_, kind == "gu")] = best_v
-        fg.SWAP_AB = fg.TMA_W = False
-    fg.PREFETCH = pf_gain >= 0
-    best_var = max(gains, key=gains.get) if gains else None
-    if best_var is not None and gains[best_var] > 0:  # keep the variant (with its own tiles) for the decode sweep
-        fg.SWAP_AB, fg.TMA_W = VARIANTS[best_var]
-        fg.TUNED.update(var_cfg[best_var])
+        for a4_, act, cfgs in ((False, a16, GEMM_CONFIGS), (True, a4, GEMM_CONFIGS[:4])):
+            key, fmt = (True, a4_, kind == "gu"), "w4a4" if a4_ else "w4a16"
+            found = {}
+            for var, flags in VARIANTS.items():
+                fg.KERNEL_VARIANT[key] = flags
+                name = f"{kind} {fmt} triton {var}"
+                cfg_v = min(cfgs, key=lambda c: rec(name, mk(w4, act, c), b4[kind], config=c))
+                found[var] = (fastest(name), cfg_v)
+            var = min(found, key=lambda v: found[v][0])
+            fg.KERNEL_VARIANT[key], fg.TUNED[key] = VARIANTS[var], found[var][1]
+            chosen[f"{kind} {fmt}"] = {"variant": var, "ms": found[var][0],
+                                       "ms_per_variant": {v: t for v, (t, _) in found.items()}}
 
     def moe_grouped_mm():
         xs = x[tok.long()]
@@ -232,8 +221,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     fa.TUNED[True] = min(ATTN_CONFIGS, key=lambda c: rec(
         "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
                                                         num_warps=c[1]), nb4, config=c, context=ctx))
-    out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "prefetch": fg.PREFETCH,
-                "swap_ab": fg.SWAP_AB, "tma_w": fg.TMA_W, "variant_gain_ms": gains,
+    out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "gemm_variant": chosen,
                 "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
     return out

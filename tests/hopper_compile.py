@@ -92,7 +92,7 @@ def compile_variants(log: list) -> None:
     from tracerl.rollout import gpu
     from tracerl.rollout.kvcache import FP4KVCache
 
-    saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM
+    saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM, dict(fg.KERNEL_VARIANT)
     g = torch.Generator().manual_seed(0)
     E, F, D, T, K = 4, 64, 128, 24, 2
     with compile_only(log):
@@ -114,6 +114,13 @@ def compile_variants(log: list) -> None:
                         fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         for w in (w_dn, q_dn):
                             fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+            # a per-kind choice (what bench/rollout.py --micro stores) overrides the module flags
+            fg.PREFETCH = fg.SWAP_AB = fg.TMA_W = False
+            fg.KERNEL_VARIANT[(True, True, True)] = (False, True, True)
+            fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+            last = next(c for n, c, _ in reversed(log) if n == "_grouped_gemm_kernel")
+            if not (last["SWAP"] and last["TMA"] and not last["PF"]):
+                raise AssertionError(f"KERNEL_VARIANT was not applied: {last}")
             wl = fp4.FP4Tensor(q_dn.codes[0], q_dn.scales[0], q_dn.global_scale[0].reshape(1), "nvfp4",
                                torch.Size((D, F)))
             fg.fp4_linear(h, wl, out_f32=True)
@@ -167,7 +174,7 @@ def compile_variants(log: list) -> None:
                 vals = torch.arange(64, dtype=torch.int32) if what in int_in else torch.rand(64, generator=g)
                 fp4_numerics.probe(what, vals)
         finally:
-            fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM = saved
+            fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM, fg.KERNEL_VARIANT = saved
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ SWAP_AB = False
 # num_stages, where plain loads that feed register math (not a dot) are not pipelined. Scales (1/8
 # of the bytes, rows of K/16 < TMA's 16-byte minimum box at BK=128) keep plain loads. A/B in the bench.
 TMA_W = False
+# Per GEMM kind, (PREFETCH, SWAP_AB, TMA_W) chosen by `bench/rollout.py --micro`, keyed like TUNED by
+# (FP4 weights, FP4 activations, swiglu); a kind not listed uses the three module flags. On the H200
+# no variant won everywhere (bench/RESULTS.md): TMA helped the w4a4 gate_up GEMM and slowed the rest.
+KERNEL_VARIANT: dict[tuple[bool, bool, bool], tuple[bool, bool, bool]] = {}
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""
@@ -454,7 +458,8 @@ def grouped_gemm(
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     dummy = offsets
-    tma = TMA_W and w_fp4
+    prefetch, swap, tma = KERNEL_VARIANT.get((w_fp4, a_fp4, swiglu), (PREFETCH, SWAP_AB, TMA_W))
+    tma = tma and w_fp4
     wd = dummy
     if tma:
         if not wc.is_contiguous():
@@ -470,8 +475,8 @@ def grouped_gemm(
         out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
-        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=PREFETCH,
-        SWAP=SWAP_AB and w_fp4, TMA=tma, num_warps=nw,
+        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
+        SWAP=swap and w_fp4, TMA=tma, num_warps=nw,
         num_stages=3,
     )
     return out
