@@ -294,6 +294,18 @@ def test_report_shows_the_start_reward_and_flags_rl_that_lowered_it_everywhere(t
     assert "| bf16 | 0.900 -> 0.500 +- 0.000 |" in report
     assert "| 0.500 -> 0.860 +- 0.000 |" in report  # trace/maze: (0.7 + 4 * 0.9) / 5
     assert "RL lowered the sampled reward in every row of arith**" in report
+    assert "warm start already solves" not in report
+    # a task every row solves from the first step is flagged as saturated; one row below it is enough to not be
+    from tracerl.compare_report import task_saturated
+
+    solved = run([1.0] * 8) | {"final_eval": {"eval/reward": 1.0, "eval/acc": 1.0}}
+    res["runs"] |= {"bf16/maze/0": solved, "trace/maze/0": solved}
+    assert task_saturated(res, "maze") and not task_saturated(res, "arith")
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert "**maze: every row starts, ends and is evaluated at reward >= 0.99**" in write_report(
+        tmp_path / "results.json").read_text()
+    res["runs"]["trace/maze/0"] = solved | {"final_eval": {"eval/reward": 0.98, "eval/acc": 0.98}}
+    assert not task_saturated(res, "maze")
 
 
 def test_report_renders_the_gpu_benchmark_from_its_json():

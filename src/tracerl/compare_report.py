@@ -49,6 +49,14 @@ def rl_lowered_reward(results: dict, task: str, margin: float = 0.05) -> bool:
     return bool(recs) and all(_final_train_reward(r) < _first_train_reward(r) - margin for r in recs)
 
 
+def task_saturated(results: dict, task: str, level: float = 0.99) -> bool:
+    """True if every trained row of `task` starts, ends and is evaluated at reward >= level (the
+    warm start already solves it: its rows cannot tell the methods apart)."""
+    recs = [r for k, r in results["runs"].items() if k.split("/")[1] == task]
+    return bool(recs) and all(min(_first_train_reward(r), _final_train_reward(r), r["final_eval"]["eval/reward"])
+                              >= level for r in recs)
+
+
 def _run_mean(rec: dict, key: str) -> float:
     vals = [x[key] for x in rec["history"] if key in x]
     return statistics.fmean(vals) if vals else float("nan")
@@ -372,6 +380,11 @@ def write_report(results_path: str | Path) -> Path:
                   "than 0.05 below the first 3): these runs compare policies that RL degraded (learning rate too "
                   "high for the warm-started policy, or too few steps to recover), so their reward and held-out "
                   "figures say little about the methods; claims (b) and (c) on them are weak evidence."]
+        saturated = [t for t in run_tasks if task_saturated(results, t)]
+        if saturated:
+            L += ["", f"**{', '.join(saturated)}: every row starts, ends and is evaluated at reward >= 0.99**: the "
+                  "warm start already solves the task, so its rows cannot tell the methods apart (claim (b) holds "
+                  "there trivially; (c) is not judged where ptq also scores 1.0)."]
         L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
         L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
         L.append("| --- | --- | --- | --- | --- | --- | --- |")
