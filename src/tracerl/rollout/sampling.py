@@ -45,6 +45,8 @@ def sample(
     The logprob is log softmax(logits / T) at the sampled token: the tempered distribution the
     trainer recomputes. top-k / top-p only restrict which tokens may be drawn; they are off by
     default, as in RL rollouts, so that the recorded logprob is the sampling distribution's.
+    logits must be finite: nothing here checks (on CUDA a check is a host sync); the engine flags
+    non-finite logits on the device and raises at its once-per-step poll, before sampling from them.
     """
     logits = logits.float()
     if params.temperature == 0:
@@ -64,7 +66,8 @@ def sample(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
     probs = torch.softmax(masked, dim=-1)
-    return (tok := draw(probs, generator)), logp.gather(-1, tok[:, None]).squeeze(-1)
+    tok = draw(probs, generator)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
