@@ -11,6 +11,9 @@ GPU tests' job).
 
 Run as a script (a fresh process: the module-level driver swap must not leak into other tests):
     PYTHONPATH=src python tests/hopper_compile.py   -> prints one line per kernel variant, then 'compiled N'
+    PYTHONPATH=src python tests/hopper_compile.py --regs   -> each line also gets the cubin's registers
+        per thread and shared memory (cuobjdump): register pressure limits CTAs per SM, so tiles and
+        variants can be weighed on CPU before a device call times them
 """
 
 from __future__ import annotations
@@ -41,9 +44,26 @@ class _Sm90Driver:
         return torch.device("cpu")
 
 
+def resource_usage(kernel) -> str:
+    """'REG:n ... SHARED:n' of a compiled kernel's cubin, by the cuobjdump that ships with Triton."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = next((line.strip() for line in out.splitlines() if "REG:" in line), "")
+    return " ".join(w for w in usage.split() if w.startswith(("REG:", "SHARED:", "LOCAL:")))
+
+
 @contextlib.contextmanager
-def compile_only(log: list):
-    """Launches compile for sm_90 and append (kernel, constexprs, registers or error) to `log`."""
+def compile_only(log: list, regs: bool = False):
+    """Launches compile for sm_90 and append (kernel, constexprs, error or None) to `log`; with
+    `regs`, the constexprs also carry the cubin's resource usage under 'usage'."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -58,6 +78,8 @@ def compile_only(log: list):
         except Exception as e:  # noqa: BLE001 - reported per variant, the caller fails on any
             log.append((self.fn.__name__, const, f"{type(e).__name__}: {_cause(e)}"))
             raise
+        if regs:
+            const["usage"] = resource_usage(k) + f" warps:{kw.get('num_warps', 4)}"
         log.append((self.fn.__name__, const, None))
         return k
 
@@ -83,7 +105,7 @@ def _experts(E: int, O: int, K: int):
     return w, qat.quantize_weight(w, "nvfp4")
 
 
-def compile_variants(log: list) -> None:
+def compile_variants(log: list, regs: bool = False) -> None:
     """Call every kernel wrapper in every variant the GPU path can take, logging each compile in `log`."""
     from tracerl import fp4
     from tracerl.kernels import fp4_attention as fa
@@ -94,8 +116,8 @@ def compile_variants(log: list) -> None:
 
     saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM, dict(fg.KERNEL_VARIANT)
     g = torch.Generator().manual_seed(0)
-    E, F, D, T, K = 4, 64, 128, 24, 2
-    with compile_only(log):
+    E, F, D, T, K = 4, 768, 2048, 24, 2  # qwen3-30b-a3b widths: K is a constexpr, and registers depend on it
+    with compile_only(log, regs):
         try:
             w_gu, q_gu = _experts(E, 2 * F, D)
             w_dn, q_dn = _experts(E, D, F)
@@ -128,7 +150,7 @@ def compile_variants(log: list) -> None:
             fg.route(torch.randn(T, 16, generator=g), 4)
             fg.dispatch(ids, gates, E)
 
-            B, H, Hkv, Dh, L = 3, 8, 2, 64, 80
+            B, H, Hkv, Dh, L = 3, 32, 4, 128, 80
             q = torch.randn(B, H, Dh, generator=g).bfloat16()
             k, v = (torch.randn(B, L, Hkv, Dh, generator=g).bfloat16() for _ in range(2))
             lens = torch.tensor([1, 40, L], dtype=torch.int32)
@@ -182,11 +204,12 @@ if __name__ == "__main__":
         sys.exit("hopper_compile compiles for the GPU: run it without TRITON_INTERPRET=1")
     failed, entries = 0, []
     try:
-        compile_variants(entries)
+        compile_variants(entries, regs="--regs" in sys.argv[1:])
     except Exception as e:  # noqa: BLE001 - the log names the variant that broke
         print("stopped:", type(e).__name__, _cause(e))
         failed = 1
     for name, const, err in entries:
-        print("FAIL" if err else "ok", name, ",".join(f"{k}={v}" for k, v in sorted(const.items())), err or "")
+        usage = const.pop("usage", "")
+        print("FAIL" if err else "ok", name, ",".join(f"{k}={v}" for k, v in sorted(const.items())), err or usage)
     print("compiled", sum(1 for *_, err in entries if err is None))
     sys.exit(1 if failed or any(err for *_, err in entries) else 0)
