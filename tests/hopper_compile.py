@@ -45,7 +45,8 @@ class _Sm90Driver:
 
 
 def resource_usage(kernel) -> str:
-    """'REG:n ... SHARED:n' of a compiled kernel's cubin, by the cuobjdump that ships with Triton."""
+    """'REG:n LOCAL:n SMEM:n' of a compiled kernel: registers per thread and spills (cuobjdump, which
+    ships with Triton) and the dynamic shared memory Triton allocates (bytes)."""
     import subprocess
     import tempfile
 
@@ -57,7 +58,8 @@ def resource_usage(kernel) -> str:
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     usage = next((line.strip() for line in out.splitlines() if "REG:" in line), "")
-    return " ".join(w for w in usage.split() if w.startswith(("REG:", "SHARED:", "LOCAL:")))
+    # Triton's shared memory is dynamic (in the metadata); cuobjdump's SHARED is only the static part
+    return " ".join(w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))) + f" SMEM:{kernel.metadata.shared}"
 
 
 @contextlib.contextmanager
