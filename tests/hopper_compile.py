@@ -12,8 +12,8 @@ GPU tests' job).
 Run as a script (a fresh process: the module-level driver swap must not leak into other tests):
     PYTHONPATH=src python tests/hopper_compile.py   -> prints one line per kernel variant, then 'compiled N'
     PYTHONPATH=src python tests/hopper_compile.py --regs   -> each line also gets the cubin's registers
-        per thread and shared memory (cuobjdump): register pressure limits CTAs per SM, so tiles and
-        variants can be weighed on CPU before a device call times them
+        per thread (cuobjdump) and Triton's dynamic shared memory: both limit CTAs per SM, so tiles
+        and variants can be weighed on CPU before a device call times them
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def resource_usage(kernel) -> str:
 
 @contextlib.contextmanager
 def compile_only(log: list, regs: bool = False):
-    """Launches compile for sm_90 and append (kernel, constexprs, error or None) to `log`; with
+    """Make every launch a compile for sm_90, appending (kernel, constexprs, error or None) to `log`; with
     `regs`, the constexprs also carry the cubin's resource usage under 'usage'."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
