@@ -370,6 +370,15 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     missing: list[str] = []
     rows = sorted(suite.rows, key=ROW_PRIORITY.index)
 
+    def budgeted(kind: str, compute: Callable[[], dict]) -> dict | None:
+        """compute() if the budget still allows a cell of `kind` (its time is counted); else None."""
+        if not budget.allows(kind):
+            return None
+        t0 = time.perf_counter()
+        rec = compute()
+        budget.ran(kind, time.perf_counter() - t0)
+        return rec
+
     def cell(kind: str, label: str, path: Path, compute: Callable[[], dict]) -> dict | None:
         """The cached record at `path`, or compute it if the budget allows (None: left for later)."""
         old = cache / path.name  # records used to live beside the weights
@@ -377,12 +386,10 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
             old.replace(path)
         if path.exists():
             return json.loads(path.read_text())
-        if not budget.allows(kind):
+        rec = budgeted(kind, compute)
+        if rec is None:
             missing.append(label)
             return None
-        t0 = time.perf_counter()
-        rec = compute()
-        budget.ran(kind, time.perf_counter() - t0)
         _write_json(path, rec)
         return rec
 
@@ -390,15 +397,12 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     stale: list[tuple] = []
     stale_runs: list[tuple] = []
 
-    def rerun(key: str, cfg: Config, why: str) -> dict | None:
+    def rerun(cfg: Config, why: str) -> dict | None:
         """Train a cached run again if the budget allows (its old record stands until the new one is written)."""
-        if not budget.allows("run"):
-            return None
-        log(why)
-        t0 = time.perf_counter()
-        rec = run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
-        budget.ran("run", time.perf_counter() - t0)
-        return rec
+        def train() -> dict:
+            log(why)
+            return run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
+        return budgeted("run", train)
 
     def warm_for(cfg: Config) -> dict:
         key = (cfg.task.name, cfg.train.seed)
@@ -438,7 +442,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                         # weights stay on the machine that trained them (GBs, not committed): a resumed
                         # suite on a fresh machine re-trains the bf16 row for ptq, and the re-trained
                         # record replaces the old one, so ptq evaluates the run the report shows
-                        rec = rerun(key, cfg, f"re-train {key}: its final weights are not in {cache} and ptq needs them")
+                        rec = rerun(cfg, f"re-train {key}: its final weights are not in {cache} and ptq needs them")
                         if rec is None:
                             missing += [key, f"ptq/{task}/{seed}"]
                             continue
@@ -455,7 +459,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     # runs and studies recorded before the current schema (no per-step evals; no per-token kl
     # spread) are re-run last, once every missing cell is done; until then the old record stands
     for key, cfg in stale_runs:
-        rec = rerun(key, cfg, f"re-run {key} for its per-step held-out evals")
+        rec = rerun(cfg, f"re-run {key} for its per-step held-out evals")
         if rec is None:
             break
         results["runs"][key] = _run_summary(rec)
@@ -468,12 +472,12 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
             _write_json(cells / f"ptq-{rec['hash']}.json", ptq)
             results["ptq"][task_seed] = ptq
     for label, p, base_cfg, dt in stale:
-        if not budget.allows("study"):
+        def restudy(label=label, base_cfg=base_cfg, dt=dt) -> dict:
+            log(f"mismatch study {label}: re-run (recorded before schema {STUDY_SCHEMA})")
+            return mismatch_study(base_cfg, warm_for(base_cfg), suite, dt)
+        rec = budgeted("study", restudy)
+        if rec is None:
             break
-        log(f"mismatch study {label}: re-run (recorded before schema {STUDY_SCHEMA})")
-        t0 = time.perf_counter()
-        rec = mismatch_study(base_cfg, warm_for(base_cfg), suite, dt)
-        budget.ran("study", time.perf_counter() - t0)
         _write_json(p, rec)
         results["study"][label] = rec
     bench = Path("bench/results/rollout_h200.json")
