@@ -140,10 +140,9 @@ class Engine:
         need = max((len(a) for a in appended if a is not None), default=0) + params.max_new_tokens
         if st.cur + need > self.max_len:
             raise ValueError(f"continuing needs {st.cur + need} columns, the engine's max_len is {self.max_len}")
-        vocab = self.config.vocab_size
         for i, a in enumerate(appended):
-            if a and (min(a) < 0 or max(a) >= vocab):
-                raise ValueError(f"appended[{i}] has token ids outside [0, {vocab})")
+            if a:
+                self._check_ids(a, f"appended[{i}]")
         st.finished &= ~live
         self._feed(st, appended)
         self._decode(st, live, params, torch.Generator(device=self.device).manual_seed(seed))
@@ -154,18 +153,21 @@ class Engine:
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
-        vocab = self.config.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            self._check_ids(p, f"prompt {i}")
         longest = max(len(p) for p in prompts)
         if longest + params.max_new_tokens > self.max_len:
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the context "
                 f"({self.max_len}); shorten the prompt or max_new_tokens, or raise max_len"
             )
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"{what} has token ids outside [0, {vocab})")
 
     def _new_state(self, n_rows: int, p_len: int, prompts: list[list[int]]) -> _GenState:
         cfg, dev, L = self.config, self.device, self.max_len
