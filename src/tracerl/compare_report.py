@@ -43,16 +43,21 @@ def _first_train_reward(rec: dict, first: int = 3) -> float:
     return statistics.fmean(x["reward/mean"] for x in rec["history"][:first])
 
 
+def _task_runs(results: dict, task: str) -> list[dict]:
+    """The run records of every row and seed on `task`."""
+    return [r for k, r in results["runs"].items() if k.split("/")[1] == task]
+
+
 def rl_lowered_reward(results: dict, task: str, margin: float = 0.05) -> bool:
     """True if every trained row of `task` ends (last 5 steps) below its start (first 3) by > margin."""
-    recs = [r for k, r in results["runs"].items() if k.split("/")[1] == task]
+    recs = _task_runs(results, task)
     return bool(recs) and all(_final_train_reward(r) < _first_train_reward(r) - margin for r in recs)
 
 
 def task_saturated(results: dict, task: str, level: float = 0.99) -> bool:
     """True if every trained row of `task` starts, ends and is evaluated at reward >= level (the
     warm start already solves it: its rows cannot tell the methods apart)."""
-    recs = [r for k, r in results["runs"].items() if k.split("/")[1] == task]
+    recs = _task_runs(results, task)
     return bool(recs) and all(min(_first_train_reward(r), _final_train_reward(r), r["final_eval"]["eval/reward"])
                               >= level for r in recs)
 
@@ -212,11 +217,10 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
     names = []
     for task in results["tasks"]:
-        if not any(k.split("/")[1] == task for k in results["runs"]):
+        if not _task_runs(results, task):
             continue  # nothing trained on this task yet (a partial suite)
         # held-out reward per step where the runs evaluated during training (run.eval_every)
-        has_eval = any("eval/reward" in h for k, r in results["runs"].items() if k.split("/")[1] == task
-                       for h in r["history"])
+        has_eval = any("eval/reward" in h for r in _task_runs(results, task) for h in r["history"])
         fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6.5, 3.8), squeeze=False)
         ax, ax_ev = axes[0][0], (axes[0][1] if has_eval else None)
         for row in results["rows"]:
@@ -354,7 +358,7 @@ def write_report(results_path: str | Path) -> Path:
                  "last 5 steps; held-out reward/accuracy as deployed; mean +- sd over seeds.")
         L.append("")
         # a partial run leaves out tasks with no run yet, and shows not-yet-run rows as "-"
-        run_tasks = [t for t in results["tasks"] if any(k.split("/")[1] == t for k in results["runs"])]
+        run_tasks = [t for t in results["tasks"] if _task_runs(results, t)]
         L.append("| row | " + " | ".join(f"{t} train first 3 -> last 5 | {t} held-out reward | {t} held-out acc"
                                          for t in run_tasks) + " |")
         L.append("| --- |" + " --- | --- | --- |" * len(run_tasks))
