@@ -343,3 +343,33 @@ def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, t
         return {k: v for k, v in h.items() if not k.startswith(("timing/", "throughput/", "eval/"))}
     assert [training(h) for h in rec["history"]] == [training(h) for h in old["history"]]
     assert run_suite("micro", out, configs, log=logs.append)["runs"]["bf16/arith/0"]["history"] == rec["history"]
+
+
+def test_rows_that_rl_never_updated_are_flagged_and_not_judged_for_b_and_c(tmp_path):
+    # small/code on the H200: every group solved every prompt, so every advantage and gradient was 0
+    # and trace, bf16 and ptq all ended as the warm start; (c) "did not hold" there only by a tie
+    def run(norms, final):
+        return {"name": "x", "hash": "h", "wall_s": 1.0, "final_eval": {"eval/reward": final, "eval/acc": final},
+                "history": [{"step": i + 1, "reward/mean": 1.0, "train/grad_norm": g} for i, g in enumerate(norms)]}
+    from tracerl.compare_report import rl_never_updated, rl_updated
+
+    idle, moved = [0.0] * 8, [0.0] * 6 + [0.06, 0.0]
+    assert not rl_updated(run(idle, 0.7)) and rl_updated(run(moved, 0.7))
+    assert rl_updated({"history": [{"step": 1, "reward/mean": 1.0}]})  # no gradient norms recorded: not judged idle
+    res = {"suite": "x", "tasks": ["code", "arith"], "seeds": [0], "rows": ["bf16", "trace"],
+           "deploy_recipe": "w4a4kv4", "study": {}, "complete": True, "missing": [],
+           "runs": {"bf16/code/0": run(idle, 0.69), "trace/code/0": run(idle, 0.69),
+                    "bf16/arith/0": run(moved, 0.5), "trace/arith/0": run(moved, 0.8)},
+           "ptq": {"code/0": {"eval/reward": 0.69, "eval/acc": 0.69}, "arith/0": {"eval/reward": 0.6, "eval/acc": 0.6}}}
+    assert rl_never_updated(res, "code", "trace") and not rl_never_updated(res, "arith", "trace")
+    assert not rl_never_updated(res, "maze", "trace")  # a row that did not run is not idle
+    cl = claims(res)
+    assert [r[0] for r in cl["c"]["rows"] if r[-1] is None] == ["code"] and cl["c"]["held"] is True
+    assert [r[0] for r in cl["b"]["rows"] if r[-1] is None] == ["code"] and cl["b"]["held"] is True
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    report = write_report(tmp_path / "results.json").read_text()
+    assert "**code: RL never changed the policy of bf16, trace**" in report
+    assert "Not judged on code" in report and "arith: RL never changed" not in report
+    # one row that learned is enough for the comparison to mean something again
+    res["runs"]["trace/code/0"] = run(moved, 0.69)
+    assert claims(res)["c"]["rows"][0][-1] is False

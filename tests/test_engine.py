@@ -309,7 +309,10 @@ def test_decode_steps_make_no_hidden_device_reads_and_copy_the_slot_list_only_wh
     aten = torch.ops.aten
     syncing = {aten._local_scalar_dense.default, aten.multinomial.default, aten.nonzero.default,
                aten.masked_select.default, aten.bincount.default, aten._unique2.default,
-               aten.repeat_interleave.Tensor}
+               aten.repeat_interleave.Tensor,
+               # a tensor made from host data (`torch.tensor(...)`, `x[i] = True`): on CUDA a copy from
+               # pageable memory, which synchronises
+               aten.lift_fresh.default}
 
     class ScalarReads(TorchDispatchMode):
         n = 0

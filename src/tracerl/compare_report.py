@@ -62,6 +62,23 @@ def task_saturated(results: dict, task: str, level: float = 0.99) -> bool:
                               >= level for r in recs)
 
 
+def rl_updated(rec: dict) -> bool:
+    """False if no step of the run changed the policy: every step's gradient norm was exactly 0.
+
+    GRPO's advantages are rewards minus their group's mean, so a step in which every group's samples
+    all score the same (all solved, or all failed) has a zero gradient; a run made only of such steps
+    ends as its warm start. Records without gradient norms count as updated (nothing to judge by).
+    """
+    norms = [x["train/grad_norm"] for x in rec["history"] if "train/grad_norm" in x]
+    return not norms or any(n > 0 for n in norms)
+
+
+def rl_never_updated(results: dict, task: str, row: str) -> bool:
+    """True if `row` ran on `task` and RL never changed its policy, in any seed."""
+    recs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
+    return bool(recs) and not any(rl_updated(r) for r in recs)
+
+
 def _run_mean(rec: dict, key: str) -> float:
     vals = [x[key] for x in rec["history"] if key in x]
     return statistics.fmean(vals) if vals else float("nan")
@@ -150,10 +167,12 @@ def claims(results: dict) -> dict[str, dict]:
         if tr_m != tr_m or bf_m != bf_m:  # a row not run (partial suite)
             continue
         tol = max(0.05, 2 * max(tr_s, bf_s))
-        rb.append((task, tr_m, bf_m, tol, tr_m >= bf_m - tol))
+        # neither row learned anything: both are their warm start, the task cannot compare the methods
+        idle = rl_never_updated(results, task, "trace") and rl_never_updated(results, task, "bf16")
+        rb.append((task, tr_m, bf_m, tol, None if idle else tr_m >= bf_m - tol))
     out["b"] = {"held": _held(rb), "rows": rb,
                 "text": "trace's final training reward (mean of the last 5 steps, over seeds) is at least bf16's minus "
-                        "max(0.05, 2 sd) (comparable or better)"}
+                        "max(0.05, 2 sd) (comparable or better); a task where RL updated neither row's policy is not judged"}
     # (c) trace's FP4 policy better than ptq (held-out reward as deployed in FP4), paired by seed: the
     # same seed shares the warm start, so the per-seed difference cancels most of the seed noise
     rc = []
@@ -171,13 +190,16 @@ def claims(results: dict) -> dict[str, dict]:
         d_m, d_s = _mean_sd(diffs)
         margin = 2 * d_s / math.sqrt(len(diffs))  # two standard errors (0 with one seed: no noise estimate)
         t_m, p_m = statistics.fmean(t_all), statistics.fmean(p_all)
-        # ptq already at the maximum reward: nothing can exceed it, the task cannot rank the two
-        held = None if p_m >= MAX_REWARD else d_m > margin
+        # ptq already at the maximum reward: nothing can exceed it, the task cannot rank the two; or
+        # RL changed neither policy: both are the warm start deployed in FP4, the same policy
+        idle = rl_never_updated(results, task, "trace") and rl_never_updated(results, task, "bf16")
+        held = None if p_m >= MAX_REWARD or idle else d_m > margin
         rc.append((task, t_m, p_m, margin, held))
     out["c"] = {"held": _held(rc), "rows": rc,
                 "text": "trace's held-out reward deployed in w4a4kv4 exceeds ptq's (the bf16 policy quantized post hoc) "
                         "by more than two standard errors of the per-seed difference (any margin with one seed); "
-                        "a task where ptq already scores the maximum, 1.0, is not judged"}
+                        "a task where ptq already scores the maximum, 1.0, or where RL updated neither trace's nor bf16's policy, "
+                        "is not judged"}
     # (d) compact policy keeps most of trace-full's alignment at a small fraction of its bytes
     rd = _claim_d_rows(studies, "mismatch/kl_k3")
     out["d"] = {"held": _held(rd), "rows": rd, "robust": _robust(studies, _claim_d_rows),
@@ -302,9 +324,13 @@ def write_report(results_path: str | Path) -> Path:
     for k in "abcd":
         v = verdict[cl[k]["held"]]
         if cl[k]["held"] is None and cl[k]["rows"]:
-            v = ("not judged (ptq already scores the maximum on every task)" if k == "c" else
-                 "not judged (fp4-qat-r3's mismatch is already negligible on every batch)")
+            v = {"b": "not judged (RL updated neither trace's nor bf16's policy on any task)",
+                 "c": "not judged (on every task ptq already scores the maximum, or RL updated neither policy)"}.get(
+                k, "not judged (fp4-qat-r3's mismatch is already negligible on every batch)")
         L.append(f"- **{names[k]}: {v}.** Test: {cl[k]['text']}.")
+        skipped = [str(r[0]) for r in cl[k]["rows"] if r[-1] is None]
+        if skipped and cl[k]["held"] is not None:
+            L.append(f"  Not judged on {', '.join(skipped)} (see the test's exclusions); the verdict rests on the rest.")
         if cl[k].get("robust") is not None:
             L.append(f"  Re-judged on kl_k3 without each batch's 5 worst tokens: {verdict[cl[k]['robust']]}.")
         # a large gap survives its worst token: warn only where the trimmed verdict differs (or is unknown)
@@ -389,6 +415,13 @@ def write_report(results_path: str | Path) -> Path:
             L += ["", f"**{', '.join(saturated)}: every row starts, ends and is evaluated at reward >= 0.99**: the "
                   "warm start already solves the task, so its rows cannot tell the methods apart (claim (b) holds "
                   "there trivially; (c) is not judged where ptq also scores 1.0)."]
+        for t in run_tasks:
+            idle = [row for row in results["rows"] if rl_never_updated(results, t, row)]
+            if idle:
+                L += ["", f"**{t}: RL never changed the policy of {', '.join(idle)}** (every step's gradient norm is 0: "
+                      "in every group all samples scored the same, so every advantage was 0). Those rows end as their "
+                      "warm start; their reward and held-out figures measure the warm start, not the method, and "
+                      "claims (b) and (c) are not judged on a task where both trace and bf16 are such rows."]
         L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
         L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
         L.append("| --- | --- | --- | --- | --- | --- | --- |")

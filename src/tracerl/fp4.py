@@ -39,6 +39,7 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: maps the tensor amax to e4m3 max * e2m1 max
 NVFP4_ZERO_BLOCK_SCALE = 0.125  # compressed-tensors' replacement for a zero e4m3 scale
+_ZERO_BLOCK_SCALE_BITS = int(torch.tensor(NVFP4_ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
 MX_EXP_BIAS = 127
 MX_E2M1_EMAX = 2  # floor(log2(6))
 
@@ -224,13 +225,13 @@ def nvfp4_global_scale(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
 def nvfp4_block_scales(x_blocks: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales for x viewed as (..., nblocks, 16); global_scale broadcastable to (..., 1)."""
     amax_b = x_blocks.abs().amax(dim=-1)
-    six = torch.tensor(12.0, device=x_blocks.device).to(amax_b.dtype) / 2
-    s = amax_b / six  # in the input dtype, as compressed-tensors does
+    # a Python scalar, not a device tensor: on CUDA a tensor made from host data is a synchronous copy
+    s = amax_b / 6.0  # in the input dtype, as compressed-tensors does
     s = global_scale * s.to(torch.float32) if s.dtype != torch.float32 else global_scale * s
     s8 = s.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     # a zero block (or one whose scale underflows e4m3) gets 0.125 so dequantization never divides by 0
     zero = s8.view(torch.uint8) == 0
-    return torch.where(zero, torch.tensor(NVFP4_ZERO_BLOCK_SCALE, device=s8.device).to(s8.dtype), s8)
+    return s8.view(torch.uint8).masked_fill(zero, _ZERO_BLOCK_SCALE_BITS).view(torch.float8_e4m3fn)
 
 
 def mxfp4_block_scales(x_blocks: torch.Tensor, rule: str = "even") -> torch.Tensor:

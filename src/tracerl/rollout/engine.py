@@ -171,11 +171,13 @@ class Engine:
 
     def _new_state(self, n_rows: int, p_len: int, prompts: list[list[int]]) -> _GenState:
         cfg, dev, L = self.config, self.device, self.max_len
-        tokens = torch.zeros(n_rows, L, dtype=torch.long, device=dev)
-        mask = torch.zeros(n_rows, L, dtype=torch.bool, device=dev)
+        # built on the host and copied once: a host tensor per prompt is a synchronous copy each on CUDA
+        tokens = torch.zeros(n_rows, L, dtype=torch.long)
+        mask = torch.zeros(n_rows, L, dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding: prompts end at column p_len - 1
-            tokens[i, p_len - len(p):p_len] = torch.tensor(p, device=dev)
+            tokens[i, p_len - len(p):p_len] = torch.tensor(p)
             mask[i, p_len - len(p):p_len] = True
+        tokens, mask = tokens.to(dev), mask.to(dev)
         recorder = SiteRecorder(self.recipe, self.policy, cfg.num_layers, n_rows, L, self.diagnostics)
         finite = FiniteWatch()
         shape = (cfg.num_layers, n_rows, L, cfg.num_kv_heads, cfg.head_dim)
@@ -272,8 +274,10 @@ class Engine:
             tok, lp = sample(st.next_logits[rows], params, gen)
             c = st.cur
             st.tokens[rows, c] = tok
-            st.mask[rows, c] = True
-            st.policy_mask[rows, c] = True
+            # index_fill_ passes True as a kernel argument; `x[rows, c] = True` makes a host tensor of
+            # it, a synchronous copy per step on CUDA
+            st.mask[:, c].index_fill_(0, rows, True)
+            st.policy_mask[:, c].index_fill_(0, rows, True)
             st.logprobs[rows, c] = lp
             budget[rows] -= 1
             hit_stop = torch.isin(tok, stop)
