@@ -117,6 +117,7 @@ def compile_variants(log: list, regs: bool = False) -> None:
     from tracerl.rollout.kvcache import FP4KVCache
 
     saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM, dict(fg.KERNEL_VARIANT)
+    fg.KERNEL_VARIANT.clear()  # the loop below sets the module flags: no per-kind default may override them
     g = torch.Generator().manual_seed(0)
     E, F, D, T, K = 4, 768, 2048, 24, 2  # qwen3-30b-a3b widths: K is a constexpr, and registers depend on it
     with compile_only(log, regs):

@@ -5,8 +5,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tracerl import experiments
+from tracerl import model as M
+from tracerl.config import config_from_dict
 from tracerl.compare_report import claims, pareto, pick_default_policy, write_report
 from tracerl.experiments import ROWS, Budget, Suite, config_hash, run_config, run_suite
 
@@ -106,6 +109,9 @@ def test_micro_suite_runs_caches_and_reports(configs, tmp_path, monkeypatch):
     assert (out / "micro" / "reward_arith.png").exists() and (out / "micro" / "pareto_arith_bfloat16.png").exists()
     on_disk = json.loads((out / "micro" / "results.json").read_text())
     assert on_disk["runs"]["trace/arith/0"]["history"][-1]["step"] == 2
+    # both rows record the one shared warm start they began from (the report's same-start check)
+    digests = {on_disk["runs"][k]["warm_digest"] for k in ("bf16/arith/0", "trace/arith/0")}
+    assert len(digests) == 1 and all(on_disk["runs"][k]["deterministic"] for k in on_disk["runs"])
     # the baseline rollout is timed warm, so the report shows the recording overhead
     assert study["overhead_timing"] == "warmed" and "Recording overhead not shown" not in report
 
@@ -373,3 +379,55 @@ def test_rows_that_rl_never_updated_are_flagged_and_not_judged_for_b_and_c(tmp_p
     # one row that learned is enough for the comparison to mean something again
     res["runs"]["trace/code/0"] = run(moved, 0.69)
     assert claims(res)["c"]["rows"][0][-1] is False
+
+
+def test_state_digest_names_bit_identical_weights_only():
+    from tracerl.experiments import state_digest
+
+    m = M.build("tiny", seed=0).state_dict()
+    same = {k: v.clone() for k, v in m.items()}
+    assert state_digest(m) == state_digest(same)
+    k = next(k for k, v in m.items() if v.is_floating_point())
+    same[k].view(-1)[0] = torch.nextafter(same[k].view(-1)[0], torch.tensor(1.0, dtype=same[k].dtype))
+    assert state_digest(m) != state_digest(same)  # one ulp of one weight
+    assert state_digest(m) != state_digest({k: v.to(torch.bfloat16) for k, v in m.items()})
+
+
+def test_run_deterministic_picks_kernels_not_the_experiment(configs):
+    suite = Suite.load("micro", configs)
+    cfg = run_config(suite, "trace", "arith", 0, Path("/tmp/x"), configs)
+    off = config_from_dict(cfg.to_dict(), ["run.deterministic=false"])
+    assert cfg.run.deterministic and not off.run.deterministic
+    assert config_hash(off) == config_hash(cfg)  # committed cells (run before the flag) keep their hashes
+
+
+def test_report_flags_rows_of_one_seed_that_began_from_different_warm_starts(tmp_path):
+    def run(digest):
+        rec = {"name": "x", "hash": "h", "wall_s": 1.0, "final_eval": {"eval/reward": 0.5, "eval/acc": 0.5},
+               "history": [{"step": i + 1, "reward/mean": 0.5} for i in range(8)]}
+        return rec | ({"warm_digest": digest} if digest else {})
+    res = {"suite": "x", "tasks": ["code", "arith"], "seeds": [0, 1], "rows": ["bf16", "trace"],
+           "deploy_recipe": "w4a4kv4", "study": {}, "ptq": {}, "complete": True, "missing": [],
+           "runs": {"bf16/code/0": run("aa"), "trace/code/0": run("bb"), "bf16/code/1": run("cc"),
+                    "trace/code/1": run("cc"), "bf16/arith/0": run("dd"), "trace/arith/0": run(None),
+                    "bf16/arith/1": run("ee"), "trace/arith/1": run("ff")}}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    report = write_report(tmp_path / "results.json").read_text()
+    # seeds have their own warm starts; only a seed whose rows disagree is flagged (a record without a digest
+    # cannot be judged)
+    assert "**code: rows of seed 0 began from different warm starts**" in report
+    assert "**arith: rows of seed 1 began from different warm starts**" in report
+
+
+def test_gpu_runs_without_a_warm_start_digest_are_re_run_cpu_runs_are_not(configs):
+    from tracerl.experiments import run_stale_reason
+
+    cfg = run_config(Suite.load("micro", configs), "trace", "arith", 0, Path("/tmp/x"), configs)
+    every = cfg.run.eval_every
+    assert every  # the checks below need per-step evals asked for
+    current = {"eval_every": every, "device": "cuda:0", "warm_digest": "ab12"}
+    assert run_stale_reason(current, cfg) is None
+    assert run_stale_reason(current | {"eval_every": 0}, cfg) == "for its per-step held-out evals"
+    old_gpu = {k: v for k, v in current.items() if k != "warm_digest"}
+    assert run_stale_reason(old_gpu, cfg) == "from a recorded, deterministic warm start"
+    assert run_stale_reason(old_gpu | {"device": "cpu"}, cfg) is None  # CPU runs reproduce without it

@@ -282,6 +282,25 @@ def test_trainer_step_on_cuda_with_routing_replay(tmp_path, alignment):
     r.close()
 
 
+def test_trainer_on_cuda_reproduces_warm_start_and_steps_bit_for_bit(tmp_path):
+    # run.deterministic (default): on the H200 two warm starts of small/code differed by 4e-9 without it
+    # (bench/determinism.py), and the suite's cached cells assume a config fixes its run
+    from tracerl.experiments import state_digest
+
+    def run(name):
+        cfg = load_config("configs/tiny-arith.yaml", [f"run.out_dir={tmp_path}", f"run.name={name}",
+                                                       "train.alignment=trace", "task.name=code", *FAST])
+        t = Trainer(cfg)
+        assert torch.are_deterministic_algorithms_enabled() == (t.device.type == "cuda")
+        t.warm_start()
+        warm = state_digest(t.model.state_dict())
+        t.train_step()
+        t.close()
+        return warm, state_digest(t.model.state_dict())
+
+    assert run("a") == run("b")
+
+
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
 

@@ -57,13 +57,17 @@ def _experts(E, O, K, dev, seed=0):
 
 
 def check_grouped_gemm(dev: str, **kw):
-    """The grouped GEMM against its reference in every kernel variant (operand order, TMA weight loads)."""
-    saved = fg.SWAP_AB, fg.TMA_W
+    """The grouped GEMM against its reference in every kernel variant (operand order, TMA weight loads, prefetch)."""
+    saved = fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, dict(fg.KERNEL_VARIANT)
+    fg.KERNEL_VARIANT.clear()  # the module flags below choose the variant for every GEMM kind
     try:
-        for fg.SWAP_AB, fg.TMA_W in ((False, False), (True, False), (False, True), (True, True)):
+        for fg.SWAP_AB, fg.TMA_W, fg.PREFETCH in ((False, False, False), (True, False, False), (False, True, False),
+                                                 (True, True, False), (False, False, True)):
             _check_grouped_gemm(dev, **kw)
     finally:
-        fg.SWAP_AB, fg.TMA_W = saved
+        fg.SWAP_AB, fg.TMA_W, fg.PREFETCH = saved[:3]
+        fg.KERNEL_VARIANT.clear()
+        fg.KERNEL_VARIANT.update(saved[3])
 
 
 def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):

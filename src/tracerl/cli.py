@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tracerl` command."""
     args = build_parser().parse_args(argv)
+    # before any CUDA work: cuBLAS reads it once, and run.deterministic (default) needs it
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as e:

@@ -79,6 +79,15 @@ def rl_never_updated(results: dict, task: str, row: str) -> bool:
     return bool(recs) and not any(rl_updated(r) for r in recs)
 
 
+def warm_starts(results: dict, task: str) -> dict[str, list[str]]:
+    """Warm-start digest -> the run keys of `task` that began from it (runs that recorded one)."""
+    out: dict[str, list[str]] = {}
+    for k, r in results["runs"].items():
+        if k.split("/")[1] == task and "warm_digest" in r:
+            out.setdefault(r["warm_digest"], []).append(k)
+    return out
+
+
 def _run_mean(rec: dict, key: str) -> float:
     vals = [x[key] for x in rec["history"] if key in x]
     return statistics.fmean(vals) if vals else float("nan")
@@ -422,6 +431,16 @@ def write_report(results_path: str | Path) -> Path:
                       "in every group all samples scored the same, so every advantage was 0). Those rows end as their "
                       "warm start; their reward and held-out figures measure the warm start, not the method, and "
                       "claims (b) and (c) are not judged on a task where both trace and bf16 are such rows."]
+        for t in run_tasks:
+            by_seed: dict[str, set[str]] = {}
+            for digest, keys in warm_starts(results, t).items():
+                for k in keys:
+                    by_seed.setdefault(k.split("/")[2], set()).add(digest)
+            split = sorted(seed for seed, ds in by_seed.items() if len(ds) > 1)
+            if split:
+                L += ["", f"**{t}: rows of seed {', '.join(split)} began from different warm starts** (their weights' "
+                      "digests differ: made on different machines without deterministic kernels); their differences "
+                      "mix the methods with the starting point."]
         L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
         L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
         L.append("| --- | --- | --- | --- | --- | --- | --- |")

@@ -121,6 +121,9 @@ class RunSection:
     tensorboard: bool = True
     device: str = "auto"  # auto | cpu | cuda
     cpu_threads: int = 1  # torch intra-op threads on CPU; 0 = torch's default (see docs/decisions.md)
+    # CUDA only: deterministic kernels, so that a config reproduces its run bit for bit on the same GPU
+    # and software (about 7% slower on the H200; CPU runs are deterministic anyway). docs/decisions.md
+    deterministic: bool = True
 
 
 @dataclass

@@ -112,16 +112,30 @@ def config_hash(cfg: Config) -> str:
     `run.eval_every` only adds held-out measurements (greedy, own seed: training is unchanged,
     tested), so it is hashed as 0, the value every cell had before suites evaluated per step:
     those cells keep their hashes and are topped up with per-step evals when the budget allows.
+    `run.deterministic` is left out: it picks kernels, not the experiment. Without it a GPU run is
+    one draw among runs that differ in the last bits; with it the same draw every time. Cells run
+    before it existed stay valid (their records say `deterministic: false`).
     """
     d = cfg.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard")}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard", "deterministic")}
     d["run"]["eval_every"] = 0
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_is_current(rec: dict, cfg: Config) -> bool:
-    """Whether a run record has the per-step held-out evals its config asks for."""
-    return not cfg.run.eval_every or rec.get("eval_every") == cfg.run.eval_every
+def run_stale_reason(rec: dict, cfg: Config) -> str | None:
+    """What a run record lacks, as "re-run <key> ..." ends, or None if it is current.
+
+    A record is stale without the per-step held-out evals its config asks for or, from a GPU,
+    without the digest of its warm start: GPU runs from before deterministic kernels began from
+    warm starts that differ between machines in the last bits (bench/RESULTS.md), so rows of one
+    task run in different sessions may not share one. CPU runs are deterministic: their records
+    stay current without the digest.
+    """
+    if cfg.run.eval_every and rec.get("eval_every") != cfg.run.eval_every:
+        return "for its per-step held-out evals"
+    if rec.get("device", "cpu").startswith("cuda") and "warm_digest" not in rec:
+        return "from a recorded, deterministic warm start"
+    return None
 
 
 def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
@@ -141,6 +155,16 @@ def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
                         seed=cfg.train.seed, compute_dtype=dtype, device=t.device)
     ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses}, path)
     return t.model.state_dict()
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's names, dtypes, shapes and bytes: equal digests, bit-identical weights."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().cpu().contiguous()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def _with(cfg: Config, overrides: list[str]) -> Config:
@@ -176,14 +200,18 @@ def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[st
     ckpt.save_atomic({"model": tr.model.state_dict()}, model_path)
     rec = {"name": cfg.run.name, "hash": h, "config": cfg.to_dict(), "history": history,
            "final_eval": final, "wall_s": time.perf_counter() - t0, "model_path": model_path.name,
-           "device": str(tr.device), "eval_every": every}
+           "device": str(tr.device), "eval_every": every,
+           # which warm start it began from, and whether the GPU kernels were deterministic: rows of one
+           # task compare methods only if they share the warm start (the report checks)
+           "warm_digest": state_digest(warm), "deterministic": tr.device.type == "cpu" or cfg.run.deterministic}
     _write_json(path, rec)
     return rec
 
 
 def _run_summary(rec: dict) -> dict:
     """What results.json keeps of a run record (enough to restore its cell)."""
-    return {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s", "eval_every") if k in rec}
+    return {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s", "eval_every", "warm_digest",
+                                  "deterministic") if k in rec}
 
 
 def _write_json(path: Path, obj: dict, indent: int | None = None) -> None:
@@ -233,7 +261,8 @@ def mismatch_study(cfg: Config, warm: dict, suite: Suite, dtype_name: str) -> di
     tr.model.load_state_dict(warm)
     recipe = tr.recipe
     prompts = tr.task.prompts("train", suite.study_prompts, seed=12345)
-    out: dict = {"dtype": dtype_name, "alignments": {}, "sweep": [], "schema": STUDY_SCHEMA}
+    out: dict = {"dtype": dtype_name, "alignments": {}, "sweep": [], "schema": STUDY_SCHEMA,
+                 "warm_digest": state_digest(warm)}
 
     def rollout(policy: CachePolicy | None) -> tuple:
         eng = Engine(tr.model, recipe, policy, dtype=tr.engine.dtype, device=tr.device, diagnostics=True)
@@ -447,8 +476,8 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                             missing += [key, f"ptq/{task}/{seed}"]
                             continue
                     results["runs"][key] = _run_summary(rec)
-                    if not run_is_current(rec, cfg):
-                        stale_runs.append((key, cfg))
+                    if (reason := run_stale_reason(rec, cfg)) is not None:
+                        stale_runs.append((key, cfg, reason))
                     if row == "bf16":
                         p = cells / f"ptq-{rec['hash']}.json"
                         ptq = cell("ptq", f"ptq/{task}/{seed}", p, lambda cfg=cfg, rec=rec: eval_ptq(cfg, rec, cache))
@@ -456,10 +485,11 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                             results["ptq"][f"{task}/{seed}"] = ptq
             for dt in dtypes[1:]:
                 study(dt)
-    # runs and studies recorded before the current schema (no per-step evals; no per-token kl
-    # spread) are re-run last, once every missing cell is done; until then the old record stands
-    for key, cfg in stale_runs:
-        rec = rerun(cfg, f"re-run {key} for its per-step held-out evals")
+    # runs and studies recorded before the current schema (no per-step evals or, from a GPU, no
+    # warm-start digest; no per-token kl spread) are re-run last, once every missing cell is done;
+    # until then the old record stands
+    for key, cfg, reason in stale_runs:
+        rec = rerun(cfg, f"re-run {key} {reason}")
         if rec is None:
             break
         results["runs"][key] = _run_summary(rec)

@@ -57,7 +57,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # it the kernels compute in float32; every product here is exact in BF16, so the results agree.
 USE_ASM = not INTERPRET  # the PTX nibble conversion; `selfcheck` turns it off if it disagrees
 C_INTERPRET = tl.constexpr(INTERPRET)
-PREFETCH = True  # load the next K tile's packed weights before dequantizing this one (A/B in the bench)
+# load the next K tile's packed weights before dequantizing this one; off: on the H200 it slowed all
+# four FP4 GEMM kinds in two sessions (more registers, fewer CTAs per SM; bench/RESULTS.md)
+PREFETCH = False
 # Swap A and B for FP4 weights: the dequantized weight tile (BN rows) is the dot's left operand and the
 # few token rows (BM) its right one, so the tensor-core M dimension is filled by weight rows (decode
 # has ~1-16 rows per expert) and the big operand can stay in registers; the (BN, BM) accumulator is
@@ -70,8 +72,9 @@ SWAP_AB = False
 TMA_W = False
 # Per GEMM kind, (PREFETCH, SWAP_AB, TMA_W) chosen by `bench/rollout.py --micro`, keyed like TUNED by
 # (FP4 weights, FP4 activations, swiglu); a kind not listed uses the three module flags. On the H200
-# no variant won everywhere (bench/RESULTS.md): TMA helped the w4a4 gate_up GEMM and slowed the rest.
-KERNEL_VARIANT: dict[tuple[bool, bool, bool], tuple[bool, bool, bool]] = {}
+# no variant won everywhere (bench/RESULTS.md, fourth session): TMA_W won only the w4a16 down GEMM
+# (-12%); elsewhere the plain kernel won or tied within 1%, so the default lists that one kind.
+KERNEL_VARIANT: dict[tuple[bool, bool, bool], tuple[bool, bool, bool]] = {(True, False, False): (False, False, True)}
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""

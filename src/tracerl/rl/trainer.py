@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,23 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device(cfg.run.device)
 
 
+def use_deterministic_kernels(device: torch.device, on: bool) -> None:
+    """On CUDA, switch PyTorch's deterministic algorithms on or off (process-wide, as PyTorch has it).
+
+    Without them the backward of the MoE dispatch (index_put_ with accumulate) sums in atomics' order:
+    on the H200 two identical warm starts of small/code differed by 4e-9 after 40 steps, enough
+    for one different sample a few RL steps later (bench/determinism.py; bench/RESULTS.md). warn_only:
+    an op without a deterministic kernel warns instead of stopping a long run; on the H200 the
+    warm start and RL steps reproduced bit for bit this way.
+    """
+    if device.type != "cuda":
+        return
+    if on:
+        # read when cuBLAS creates its handle; the CLI sets it before any CUDA work, this covers library use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+
+
 def compute_dtype_of(cfg: Config) -> torch.dtype:
     """The trainer forward's dtype (`train.compute_dtype`)."""
     return torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
@@ -78,6 +96,7 @@ class Trainer:
         self.device = resolve_device(cfg)
         if self.device.type == "cpu" and cfg.run.cpu_threads > 0:
             torch.set_num_threads(cfg.run.cpu_threads)
+        use_deterministic_kernels(self.device, cfg.run.deterministic)
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
         self.task = T.get(cfg.task.name, **cfg.task.options)
         self.recipe = qat.Recipe(cfg.rollout.recipe, fmt=cfg.rollout.format, sites=cfg.rollout.sites)
