@@ -9,8 +9,8 @@ import torch
 
 from tracerl import experiments
 from tracerl import model as M
-from tracerl.config import config_from_dict
 from tracerl.compare_report import claims, pareto, pick_default_policy, write_report
+from tracerl.config import config_from_dict
 from tracerl.experiments import ROWS, Budget, Suite, config_hash, run_config, run_suite
 
 MICRO = """
