@@ -43,9 +43,20 @@ def assert_markdown_tables(text: str) -> None:
         assert line.count("|") == head, f"line {i + 1}: {line.count('|') - 1} columns, the header has {head - 1}"
 
 
-@pytest.mark.parametrize("suite", ["tiny", "small"])
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+
+
+@pytest.mark.parametrize("suite", sorted(p.parent.name for p in REPORTS.glob("*/report.md")))
 def test_committed_reports_are_well_formed_markdown(suite):
-    assert_markdown_tables(Path(f"reports/{suite}/report.md").read_text())
+    assert_markdown_tables((REPORTS / suite / "report.md").read_text())
+
+
+def test_committed_tiny_suite_is_complete_under_the_current_configs(tmp_path):
+    # a config change that moves hashes (a new setting, a renamed field) orphans every committed
+    # cell, and the next `tracerl compare` would silently re-run the whole suite
+    shutil.copytree("reports/tiny/cells", tmp_path / "tiny" / "cells")
+    res = run_suite("tiny", tmp_path, "configs/compare", log=lambda s: None, time_budget=0)
+    assert res["complete"] and res["missing"] == [] and len(res["runs"]) == 63
 
 
 @pytest.fixture()
@@ -431,3 +442,14 @@ def test_gpu_runs_without_a_warm_start_digest_are_re_run_cpu_runs_are_not(config
     old_gpu = {k: v for k, v in current.items() if k != "warm_digest"}
     assert run_stale_reason(old_gpu, cfg) == "from a recorded, deterministic warm start"
     assert run_stale_reason(old_gpu | {"device": "cpu"}, cfg) is None  # CPU runs reproduce without it
+
+
+def test_warm_start_target_is_hashed_only_when_on(configs):
+    # committed cells predate warm_start.stop_at_reward/check_every: off, they must not change a hash
+    suite = Suite.load("micro", configs)
+    cfg = run_config(suite, "trace", "arith", 0, Path("/tmp/x"), configs)
+    h = config_hash(cfg)
+    assert config_hash(config_from_dict(cfg.to_dict(), ["warm_start.check_every=7"])) == h  # unused while off
+    on = config_from_dict(cfg.to_dict(), ["warm_start.stop_at_reward=0.8"])
+    assert config_hash(on) != h
+    assert config_hash(config_from_dict(on.to_dict(), ["warm_start.check_every=7"])) != config_hash(on)

@@ -179,3 +179,46 @@ def test_demo_reward_rises(tmp_path):
     last = sum(h["reward/mean"] for h in hist[-5:]) / 5
     print(f"reward first5 {first:.3f} last5 {last:.3f}")
     assert last > first + 0.05
+
+
+def test_warm_start_stops_once_the_sampled_train_reward_reaches_its_target(tmp_path, monkeypatch):
+    # off (0): every step runs and nothing is sampled
+    t = Trainer(_cfg(tmp_path, "off"))
+    assert len(t.warm_start()) == 10 and t.warm_checks == []
+    # unreachable: every check_every steps a sampled check (not after the last step), all steps run
+    t = Trainer(_cfg(tmp_path, "never", ["warm_start.stop_at_reward=1.01", "warm_start.check_every=3"]))
+    assert len(t.warm_start()) == 10
+    assert [c["step"] for c in t.warm_checks] == [3, 6, 9]
+    assert all(0.0 <= c["reward"] <= 1.0 for c in t.warm_checks)
+    # the check samples the policy as trained so far: rewards from collect, a fixed prompt set
+    seen = []
+    real = trainer_mod.collect
+
+    def fake(engine, task, prompts, **kw):
+        col = real(engine, task, prompts, **kw)
+        seen.append(([p.id for p in prompts], engine.recipe.name, kw["samples_per_prompt"]))
+        col.rewards.fill_(0.5 if len(seen) == 1 else 0.9)
+        return col
+
+    monkeypatch.setattr(trainer_mod, "collect", fake)
+    t = Trainer(_cfg(tmp_path, "stops", ["warm_start.stop_at_reward=0.8", "warm_start.check_every=3"]))
+    assert len(t.warm_start()) == 6  # 0.5 at step 3, 0.9 >= 0.8 at step 6
+    assert t.warm_checks == [{"step": 3, "reward": 0.5}, {"step": 6, "reward": pytest.approx(0.9)}]
+    assert seen[0][0] == seen[1][0] and len(seen[0][0]) == trainer_mod.WARM_CHECK_PROMPTS
+    assert seen[0][1:] == ("bf16", trainer_mod.WARM_CHECK_SAMPLES)  # the shared warm start is checked in BF16
+
+
+def test_warm_start_restores_train_mode_after_each_check():
+    from tracerl import model as M
+    from tracerl import tasks as T
+    from tracerl.rl.sft import warm_start
+
+    m = M.build("tiny", seed=0)
+    modes = []
+
+    def stop(step):
+        modes.append((step, m.training, torch.is_grad_enabled()))
+        return step >= 4
+
+    losses = warm_start(m, T.get("arith"), steps=9, batch_size=4, lr=1e-3, examples=16, stop=stop, check_every=2)
+    assert len(losses) == 4 and modes == [(2, False, False), (4, False, False)] and m.training

@@ -104,10 +104,15 @@ class CorrectionSection:
 class WarmStartSection:
     """Supervised warm start so a randomly initialised model starts RL with non-zero reward."""
 
-    steps: int = 300
+    steps: int = 300  # the most steps; fewer if stop_at_reward is reached
     batch_size: int = 32
     lr: float = 3e-3
     examples: int = 4000
+    # > 0: every check_every steps, sample the train split (16 prompts x 8 samples, the rollout's
+    # temperature) and stop once the mean reward reaches this. RL learns from groups whose samples
+    # differ; a warm start that solves every training prompt leaves it nothing (docs/decisions.md)
+    stop_at_reward: float = 0.0
+    check_every: int = 50
 
 
 @dataclass

@@ -116,10 +116,19 @@ def config_hash(cfg: Config) -> str:
     one draw among runs that differ in the last bits; with it the same draw every time. Cells run
     before it existed stay valid (their records say `deterministic: false`).
     """
-    d = cfg.to_dict()
+    d = _settings(cfg)
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard", "deterministic")}
     d["run"]["eval_every"] = 0
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _settings(cfg: Config) -> dict:
+    """cfg as a dict, less the settings added after suites had committed cells while they keep the
+    earlier behaviour: the cells run before those settings existed keep their hashes."""
+    d = cfg.to_dict()
+    if d["warm_start"]["stop_at_reward"] <= 0:  # off: the warm start runs all its steps, as before
+        del d["warm_start"]["stop_at_reward"], d["warm_start"]["check_every"]
+    return d
 
 
 def run_stale_reason(rec: dict, cfg: Config) -> str | None:
@@ -140,20 +149,27 @@ def run_stale_reason(rec: dict, cfg: Config) -> str | None:
 
 def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
     """The shared warm-start weights for (task, seed, warm-start settings), computed once."""
-    key = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"], "warm": cfg.to_dict()["warm_start"],
-           "seed": cfg.train.seed, "device": cfg.run.device}
+    d = _settings(cfg)
+    key = {"model": d["model"], "task": d["task"], "warm": d["warm_start"], "seed": cfg.train.seed,
+           "device": cfg.run.device}
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache / f"warm-{cfg.task.name}-s{cfg.train.seed}-{h}.pt"
     if path.exists():
         return ckpt.load(path)["model"]
     log(f"warm start {cfg.task.name} seed {cfg.train.seed}")
-    t = Trainer(_with(cfg, ["run.checkpoint_every=0"]))
+    t = Trainer(_with(cfg, ["run.checkpoint_every=0"]), log=log)  # log: the stop_at_reward checks
     w = cfg.warm_start
     # the shared warm start is plain supervised learning: float32 on CPU (fast), bf16 on GPU
     dtype = torch.bfloat16 if t.device.type == "cuda" else torch.float32
     losses = warm_start(t.model, t.task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, examples=w.examples,
-                        seed=cfg.train.seed, compute_dtype=dtype, device=t.device)
-    ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses}, path)
+                        seed=cfg.train.seed, compute_dtype=dtype, device=t.device,
+                        stop=t.warm_start_stop(), check_every=w.check_every)
+    if t.warm_checks:
+        last = t.warm_checks[-1]
+        reached = "reached" if last["reward"] >= w.stop_at_reward else "did not reach"
+        log(f"warm start {cfg.task.name} seed {cfg.train.seed}: {len(losses)} steps, sampled train reward "
+            f"{last['reward']:.3f} ({reached} {w.stop_at_reward})")
+    ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses, "checks": t.warm_checks}, path)
     return t.model.state_dict()
 
 

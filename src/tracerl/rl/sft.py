@@ -43,8 +43,13 @@ def _pad(batch: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[torch.
 
 def warm_start(model: torch.nn.Module, task, *, steps: int, batch_size: int, lr: float, examples: int,
                seed: int = 0, compute_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """Run `steps` AdamW steps of next-token cross-entropy on the policy tokens; return the losses."""
+               on_step: Callable[[int, float], None] | None = None,
+               stop: Callable[[int], bool] | None = None, check_every: int = 0) -> list[float]:
+    """Run up to `steps` AdamW steps of next-token cross-entropy on the policy tokens; return the losses.
+
+    With `stop` and `check_every` > 0, `stop(steps_done)` is asked every `check_every` steps (in eval
+    mode, without gradients) and the warm start ends when it says so.
+    """
     if steps <= 0:
         return []
     data = sft_examples(task, examples, seed=seed)
@@ -70,4 +75,11 @@ def warm_start(model: torch.nn.Module, task, *, steps: int, batch_size: int, lr:
         losses.append(value)
         if on_step is not None:
             on_step(step, value)
+        if stop is not None and check_every > 0 and (step + 1) % check_every == 0 and step + 1 < steps:
+            model.eval()
+            with torch.no_grad():
+                done = stop(step + 1)
+            model.train()
+            if done:
+                break
     return losses

@@ -55,6 +55,11 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device(cfg.run.device)
 
 
+# warm_start.stop_at_reward's check: 16 training prompts x 8 samples (a reward to about +-0.04),
+# drawn with a seed no RL step uses
+WARM_CHECK_PROMPTS, WARM_CHECK_SAMPLES, WARM_CHECK_SEED = 16, 8, 4242
+
+
 def use_deterministic_kernels(device: torch.device, on: bool) -> None:
     """On CUDA, switch PyTorch's deterministic algorithms on or off (process-wide, as PyTorch has it).
 
@@ -140,11 +145,39 @@ class Trainer:
         self.warm_losses = warm_start(
             self.model, self.task, steps=w.steps, batch_size=w.batch_size, lr=w.lr, examples=w.examples,
             seed=self.cfg.train.seed, compute_dtype=self.compute_dtype, device=self.device, on_step=on_step,
+            stop=self.warm_start_stop(), check_every=w.check_every,
         )
         if self.cfg.loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.save()
         return self.warm_losses
+
+    def warm_start_stop(self) -> Callable[[int], bool] | None:
+        """The test behind `warm_start.stop_at_reward` (None when it is 0); each check is appended to
+        `self.warm_checks` as {"step", "reward"}.
+
+        The sampled reward is the policy's own, in BF16 with the rollout's temperature, on a fixed
+        set of training prompts: the warm start is shared by rows of every rollout precision.
+        """
+        w = self.cfg.warm_start
+        self.warm_checks: list[dict[str, float]] = []
+        if w.stop_at_reward <= 0:
+            return None
+        if w.check_every < 1:
+            raise ValueError(f"warm_start.check_every must be >= 1 when stop_at_reward is set (got {w.check_every})")
+        engine = Engine(self.model, qat.Recipe("bf16"), None, dtype=self.engine.dtype, device=self.device)
+        prompts = self.task.prompts("train", WARM_CHECK_PROMPTS, seed=WARM_CHECK_SEED)
+
+        def stop(step: int) -> bool:
+            engine.load_weights(self.model.pack_weights(engine.recipe, dtype=engine.dtype))
+            col = collect(engine, self.task, prompts, samples_per_prompt=WARM_CHECK_SAMPLES,
+                          max_new_tokens=self.max_new_tokens, temperature=self.cfg.rollout.temperature, seed=step)
+            reward = float(col.rewards.mean())
+            self.warm_checks.append({"step": step, "reward": reward})
+            self.log(f"warm start step {step}: sampled train reward {reward:.3f} (stops at {w.stop_at_reward})")
+            return reward >= w.stop_at_reward
+
+        return stop
 
     def start_from(self, model_state: dict) -> None:
         """Skip the warm start: begin RL from given weights (e.g. a warm start shared by many runs)."""
