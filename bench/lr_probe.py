@@ -8,7 +8,7 @@ reward:
 
     PYTHONPATH=src python3 bench/lr_probe.py --suite small --task arith --lrs 3e-5,1e-4 --out $OUT/lr_probe.json
 
-Runs go to --work (weights and cells there, nothing under reports/).
+Runs go to --work (cells, checkpoints); weights and the warm start to --cache.
 """
 
 from __future__ import annotations
@@ -43,20 +43,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overrides", nargs="*", default=[], help="more config overrides, e.g. train.steps=5")
     ap.add_argument("--configs", default="configs/compare")
     ap.add_argument("--work", default="out/lr_probe")
+    ap.add_argument("--cache", default=None, help="warm starts and weights (default: <work>/cache); the suite's "
+                    "reports/<suite>/cache shares the warm start with a suite run after it")
     ap.add_argument("--out", default="out/lr_probe.json")
     args = ap.parse_args(argv)
     suite = Suite.load(args.suite, args.configs)
     if args.task not in suite.tasks:
         raise SystemExit(f"task {args.task!r} is not in suite {args.suite!r} ({list(suite.tasks)})")
     work = Path(args.work)
+    cache = Path(args.cache) if args.cache else work / "cache"
     (work / "cells").mkdir(parents=True, exist_ok=True)
-    (work / "cache").mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     extra = [*args.overrides, *([f"run.device={args.device}"] if args.device else [])]
     base = _with(run_config(suite, args.row, args.task, suite.seeds[0], work, args.configs), extra)
-    warm = _warm_state(base, work / "cache", print)
+    warm = _warm_state(base, cache, print)
     rows = []
     for lr in args.lrs.split(","):
-        rec = run_one(_with(base, [f"train.lr={float(lr)}"]), warm, work / "cells", work / "cache", print)
+        rec = run_one(_with(base, [f"train.lr={float(lr)}"]), warm, work / "cells", cache, print)
         rows.append(summary(rec))
         r = rows[-1]
         print(f"lr {r['lr']:.1e}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
