@@ -114,7 +114,7 @@ def config_hash(cfg: Config) -> str:
     those cells keep their hashes and are topped up with per-step evals when the budget allows.
     `run.deterministic` is left out: it picks kernels, not the experiment. Without it a GPU run is
     one draw among runs that differ in the last bits; with it the same draw every time. Cells run
-    before it existed stay valid (their records say `deterministic: false`).
+    before it existed stay valid (their records have no `deterministic` field).
     """
     d = _settings(cfg)
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("name", "out_dir", "tensorboard", "deterministic")}
@@ -179,7 +179,7 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     for k in sorted(state):
         t = state[k].detach().cpu().contiguous()
         h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 
