@@ -30,7 +30,7 @@ trap copy_back EXIT
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py 2>/dev/null)
+  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py tests/test_kernels.py 2>/dev/null)
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest $tests -p no:cacheprovider -o addopts="" -q -rfEs \
     --durations=10 2>&1 | tee "$OUT/cuda_tests.log"
 fi

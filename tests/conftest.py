@@ -1,9 +1,13 @@
 """Test-wide settings."""
 
+import os
 import sys
 from pathlib import Path
 
-import torch
+# before any CUDA work, as the CLI does: the trainer's deterministic kernels need it for cuBLAS
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 # tiny models do not gain from intra-op threads, and two threads on a shared 2-core CI machine
 # thrash (10x slower); see docs/decisions.md

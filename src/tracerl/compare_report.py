@@ -79,12 +79,22 @@ def rl_never_updated(results: dict, task: str, row: str) -> bool:
     return bool(recs) and not any(rl_updated(r) for r in recs)
 
 
+UNKNOWN_WARM_START = "unknown"
+
+
 def warm_starts(results: dict, task: str) -> dict[str, list[str]]:
-    """Warm-start digest -> the run keys of `task` that began from it (runs that recorded one)."""
+    """Warm-start digest -> the run keys of `task` that began from it. GPU runs recorded before
+    digests existed are under UNKNOWN_WARM_START (their warm start may differ from any other:
+    GPU warm starts were not reproducible then); CPU runs without one are left out (CPU warm
+    starts are reproducible)."""
     out: dict[str, list[str]] = {}
     for k, r in results["runs"].items():
-        if k.split("/")[1] == task and "warm_digest" in r:
+        if k.split("/")[1] != task:
+            continue
+        if "warm_digest" in r:
             out.setdefault(r["warm_digest"], []).append(k)
+        elif str(r.get("device", "cpu")).startswith("cuda"):
+            out.setdefault(UNKNOWN_WARM_START, []).append(k)
     return out
 
 
@@ -439,8 +449,9 @@ def write_report(results_path: str | Path) -> Path:
             split = sorted(seed for seed, ds in by_seed.items() if len(ds) > 1)
             if split:
                 L += ["", f"**{t}: rows of seed {', '.join(split)} began from different warm starts** (their weights' "
-                      "digests differ: made on different machines without deterministic kernels); their differences "
-                      "mix the methods with the starting point."]
+                      "digests differ, or some GPU rows predate the digest and may have begun from another warm start: "
+                      "GPU warm starts were not reproducible before deterministic kernels); their differences mix the "
+                      "methods with the starting point."]
         L += ["", "Training-run mismatch and cost (mean over steps and seeds):", ""]
         L.append("| row | task | kl_k3 | flips/act_frac | guidance B/token | rollout s/step | train s/step |")
         L.append("| --- | --- | --- | --- | --- | --- | --- |")

@@ -43,7 +43,7 @@ from tracerl.rl.alignment import alignment_report
 from tracerl.rl.collect import collect
 from tracerl.rl.evaluate import evaluate
 from tracerl.rl.sft import warm_start
-from tracerl.rl.trainer import Trainer
+from tracerl.rl.trainer import WARM_CHECK_PROMPTS, WARM_CHECK_SAMPLES, WARM_CHECK_SEED, Trainer
 from tracerl.rollout import Engine
 
 ROWS = ("bf16", "fp4-naive", "fp4-tis", "fp4-qat", "fp4-qat-r3", "trace", "trace-full")
@@ -147,13 +147,22 @@ def run_stale_reason(rec: dict, cfg: Config) -> str | None:
     return None
 
 
-def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
-    """The shared warm-start weights for (task, seed, warm-start settings), computed once."""
+def warm_cache_path(cfg: Config, cache: Path) -> Path:
+    """Where the shared warm start of (task, seed, warm-start settings) is cached."""
     d = _settings(cfg)
     key = {"model": d["model"], "task": d["task"], "warm": d["warm_start"], "seed": cfg.train.seed,
            "device": cfg.run.device}
+    if cfg.warm_start.stop_at_reward > 0:  # where it stops depends on how its check samples
+        key["check"] = {"temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
+                        "compute_dtype": cfg.train.compute_dtype, "prompts": WARM_CHECK_PROMPTS,
+                        "samples": WARM_CHECK_SAMPLES, "seed": WARM_CHECK_SEED}
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache / f"warm-{cfg.task.name}-s{cfg.train.seed}-{h}.pt"
+    return cache / f"warm-{cfg.task.name}-s{cfg.train.seed}-{h}.pt"
+
+
+def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
+    """The shared warm-start weights for (task, seed, warm-start settings), computed once."""
+    path = warm_cache_path(cfg, cache)
     if path.exists():
         return ckpt.load(path)["model"]
     log(f"warm start {cfg.task.name} seed {cfg.train.seed}")
@@ -226,8 +235,8 @@ def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[st
 
 def _run_summary(rec: dict) -> dict:
     """What results.json keeps of a run record (enough to restore its cell)."""
-    return {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s", "eval_every", "warm_digest",
-                                  "deterministic") if k in rec}
+    return {k: rec[k] for k in ("name", "hash", "history", "final_eval", "wall_s", "eval_every", "device",
+                                  "warm_digest", "deterministic") if k in rec}
 
 
 def _write_json(path: Path, obj: dict, indent: int | None = None) -> None:

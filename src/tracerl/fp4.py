@@ -225,8 +225,10 @@ def nvfp4_global_scale(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
 def nvfp4_block_scales(x_blocks: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales for x viewed as (..., nblocks, 16); global_scale broadcastable to (..., 1)."""
     amax_b = x_blocks.abs().amax(dim=-1)
-    # a Python scalar, not a device tensor: on CUDA a tensor made from host data is a synchronous copy
-    s = amax_b / 6.0  # in the input dtype, as compressed-tensors does
+    # a 0-dim device tensor made by a fill kernel: a tensor made from host data is a synchronous copy
+    # on CUDA, and a Python-scalar divisor makes CUDA multiply by its reciprocal (one ulp off true
+    # division in float32, where the Triton kernels divide exactly)
+    s = amax_b / torch.full((), 6.0, dtype=amax_b.dtype, device=amax_b.device)  # input dtype, as compressed-tensors
     s = global_scale * s.to(torch.float32) if s.dtype != torch.float32 else global_scale * s
     s8 = s.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     # a zero block (or one whose scale underflows e4m3) gets 0.125 so dequantization never divides by 0

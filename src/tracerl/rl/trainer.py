@@ -21,10 +21,12 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.utils.deterministic
 
 from tracerl import model as M
 from tracerl import qat
@@ -60,8 +62,9 @@ def resolve_device(cfg: Config) -> torch.device:
 WARM_CHECK_PROMPTS, WARM_CHECK_SAMPLES, WARM_CHECK_SEED = 16, 8, 4242
 
 
-def use_deterministic_kernels(device: torch.device, on: bool) -> None:
-    """On CUDA, switch PyTorch's deterministic algorithms on or off (process-wide, as PyTorch has it).
+def use_deterministic_kernels(device: torch.device, on: bool) -> bool:
+    """On CUDA, switch PyTorch's deterministic algorithms on or off (process-wide, as PyTorch has it);
+    return the previous setting, for `Trainer.close` to restore.
 
     Without them the backward of the MoE dispatch (index_put_ with accumulate) sums in atomics' order:
     on the H200 two identical warm starts of small/code differed by 4e-9 after 40 steps, enough
@@ -69,12 +72,21 @@ def use_deterministic_kernels(device: torch.device, on: bool) -> None:
     an op without a deterministic kernel warns instead of stopping a long run; on the H200 the
     warm start and RL steps reproduced bit for bit this way.
     """
-    if device.type != "cuda":
-        return
-    if on:
-        # read when cuBLAS creates its handle; the CLI sets it before any CUDA work, this covers library use
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    if device.type != "cuda" or on == before:
+        return before
+    if on and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        # cuBLAS reads it once, when PyTorch first uses it: the CLI sets it before any CUDA work
+        if torch.cuda.is_initialized():
+            warnings.warn("run.deterministic: CUDA started before CUBLAS_WORKSPACE_CONFIG was set, so cuBLAS may "
+                          "not be reproducible; set CUBLAS_WORKSPACE_CONFIG=:4096:8 before using CUDA", stacklevel=3)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(on, warn_only=True)
+    # the mode also fills every new CUDA tensor with NaN (to expose reads of uninitialized memory):
+    # a kernel per allocation in the decode loop, and no part of reproducibility
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return before
 
 
 def compute_dtype_of(cfg: Config) -> torch.dtype:
@@ -101,7 +113,10 @@ class Trainer:
         self.device = resolve_device(cfg)
         if self.device.type == "cpu" and cfg.run.cpu_threads > 0:
             torch.set_num_threads(cfg.run.cpu_threads)
-        use_deterministic_kernels(self.device, cfg.run.deterministic)
+        # run.deterministic: false leaves the process's setting as it is
+        self._deterministic_before = (use_deterministic_kernels(self.device, True) if cfg.run.deterministic
+                                      else None)
+        self.warm_checks: list[dict[str, float]] = []
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
         self.task = T.get(cfg.task.name, **cfg.task.options)
         self.recipe = qat.Recipe(cfg.rollout.recipe, fmt=cfg.rollout.format, sites=cfg.rollout.sites)
@@ -160,7 +175,7 @@ class Trainer:
         set of training prompts: the warm start is shared by rows of every rollout precision.
         """
         w = self.cfg.warm_start
-        self.warm_checks: list[dict[str, float]] = []
+        self.warm_checks = []
         if w.stop_at_reward <= 0:
             return None
         if w.check_every < 1:
@@ -379,7 +394,10 @@ class Trainer:
             self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close loggers."""
+        """Flush and close loggers; put back the process's deterministic-kernels setting."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._deterministic_before is not None:
+            use_deterministic_kernels(self.device, self._deterministic_before)
+            self._deterministic_before = None
