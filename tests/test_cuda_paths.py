@@ -192,15 +192,21 @@ def test_engine_decode_syncs_with_the_host_once_per_step(recipe):
     eng = Engine(m, qat.Recipe(recipe), CachePolicy("fraction:0.5", "codes+scales", "lsb"), dtype=torch.bfloat16,
                  device=DEVICE)
     params = SamplingParams(max_new_tokens=12, n=2, stop=())
-    eng.generate(_prompts(4, seed=3), params, seed=0)  # compile the kernels first
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            b = eng.generate(_prompts(4, seed=3), params, seed=0)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    # as in RL (run.deterministic): deterministic index kernels must not add syncs either
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        eng.generate(_prompts(4, seed=3), params, seed=0)  # compile the kernels first
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                b = eng.generate(_prompts(4, seed=3), params, seed=0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.use_deterministic_algorithms(before)
     # the warning's location is the Python line that called the synchronizing op
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
                                 if "called a synchronizing" in str(w.message))
