@@ -176,8 +176,8 @@ def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
     if t.warm_checks:
         last = t.warm_checks[-1]
         reached = "reached" if last["reward"] >= w.stop_at_reward else "did not reach"
-        log(f"warm start {cfg.task.name} seed {cfg.train.seed}: {len(losses)} steps, sampled train reward "
-            f"{last['reward']:.3f} ({reached} {w.stop_at_reward})")
+        log(f"warm start {cfg.task.name} seed {cfg.train.seed}: {len(losses)} steps; sampled train reward "
+            f"{last['reward']:.3f} at step {last['step']} ({reached} {w.stop_at_reward})")
     ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses, "checks": t.warm_checks}, path)
     return t.model.state_dict()
 
