@@ -29,8 +29,13 @@ def _pm(ms: tuple[float, float]) -> str:
     return "-" if ms[0] != ms[0] else f"{_f(ms[0])} +- {_f(ms[1])}"
 
 
+def _row_runs(results: dict, row: str, task: str) -> list[dict]:
+    """The run records of `row` on `task`, one per seed that ran."""
+    return [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
+
+
 def _row_values(results: dict, row: str, task: str, fn) -> list[float]:
-    return [fn(r) for k, r in results["runs"].items() if k.split("/")[0] == row and k.split("/")[1] == task]
+    return [fn(r) for r in _row_runs(results, row, task)]
 
 
 def _final_train_reward(rec: dict, last: int = 5) -> float:
@@ -75,26 +80,32 @@ def rl_updated(rec: dict) -> bool:
 
 def rl_never_updated(results: dict, task: str, row: str) -> bool:
     """True if `row` ran on `task` and RL never changed its policy, in any seed."""
-    recs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
+    recs = _row_runs(results, row, task)
     return bool(recs) and not any(rl_updated(r) for r in recs)
+
+
+def _both_idle(results: dict, task: str) -> bool:
+    """RL changed neither trace's nor bf16's policy on `task`: both rows are their warm start."""
+    return rl_never_updated(results, task, "trace") and rl_never_updated(results, task, "bf16")
 
 
 UNKNOWN_WARM_START = "unknown"
 
 
-def warm_starts(results: dict, task: str) -> dict[str, list[str]]:
-    """Warm-start digest -> the run keys of `task` that began from it. GPU runs recorded before
-    digests existed are under UNKNOWN_WARM_START (their warm start may differ from any other:
-    GPU warm starts were not reproducible then); CPU runs without one are left out (CPU warm
-    starts are reproducible)."""
-    out: dict[str, list[str]] = {}
+def warm_starts(results: dict, task: str) -> dict[str, set[str]]:
+    """Seed -> the warm-start digests the runs of `task` with that seed began from. GPU runs
+    recorded before digests existed count as UNKNOWN_WARM_START (their warm start may differ from
+    any other: GPU warm starts were not reproducible then); CPU runs without one are left out (CPU
+    warm starts are reproducible)."""
+    out: dict[str, set[str]] = {}
     for k, r in results["runs"].items():
-        if k.split("/")[1] != task:
+        _, t, seed = k.split("/")
+        if t != task:
             continue
         if "warm_digest" in r:
-            out.setdefault(r["warm_digest"], []).append(k)
+            out.setdefault(seed, set()).add(r["warm_digest"])
         elif str(r.get("device", "cpu")).startswith("cuda"):
-            out.setdefault(UNKNOWN_WARM_START, []).append(k)
+            out.setdefault(seed, set()).add(UNKNOWN_WARM_START)
     return out
 
 
@@ -187,8 +198,7 @@ def claims(results: dict) -> dict[str, dict]:
             continue
         tol = max(0.05, 2 * max(tr_s, bf_s))
         # neither row learned anything: both are their warm start, the task cannot compare the methods
-        idle = rl_never_updated(results, task, "trace") and rl_never_updated(results, task, "bf16")
-        rb.append((task, tr_m, bf_m, tol, None if idle else tr_m >= bf_m - tol))
+        rb.append((task, tr_m, bf_m, tol, None if _both_idle(results, task) else tr_m >= bf_m - tol))
     out["b"] = {"held": _held(rb), "rows": rb,
                 "text": "trace's final training reward (mean of the last 5 steps, over seeds) is at least bf16's minus "
                         "max(0.05, 2 sd) (comparable or better); a task where RL updated neither row's policy is not judged"}
@@ -211,8 +221,7 @@ def claims(results: dict) -> dict[str, dict]:
         t_m, p_m = statistics.fmean(t_all), statistics.fmean(p_all)
         # ptq already at the maximum reward: nothing can exceed it, the task cannot rank the two; or
         # RL changed neither policy: both are the warm start deployed in FP4, the same policy
-        idle = rl_never_updated(results, task, "trace") and rl_never_updated(results, task, "bf16")
-        held = None if p_m >= MAX_REWARD or idle else d_m > margin
+        held = None if p_m >= MAX_REWARD or _both_idle(results, task) else d_m > margin
         rc.append((task, t_m, p_m, margin, held))
     out["c"] = {"held": _held(rc), "rows": rc,
                 "text": "trace's held-out reward deployed in w4a4kv4 exceeds ptq's (the bf16 policy quantized post hoc) "
@@ -265,7 +274,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
         fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6.5, 3.8), squeeze=False)
         ax, ax_ev = axes[0][0], (axes[0][1] if has_eval else None)
         for row in results["rows"]:
-            runs = [r for k, r in results["runs"].items() if k.split("/")[:2] == [row, task]]
+            runs = _row_runs(results, row, task)
             if not runs:
                 continue
             n = min(len(r["history"]) for r in runs)
@@ -442,11 +451,7 @@ def write_report(results_path: str | Path) -> Path:
                       "warm start; their reward and held-out figures measure the warm start, not the method, and "
                       "claims (b) and (c) are not judged on a task where both trace and bf16 are such rows."]
         for t in run_tasks:
-            by_seed: dict[str, set[str]] = {}
-            for digest, keys in warm_starts(results, t).items():
-                for k in keys:
-                    by_seed.setdefault(k.split("/")[2], set()).add(digest)
-            split = sorted(seed for seed, ds in by_seed.items() if len(ds) > 1)
+            split = sorted(seed for seed, ds in warm_starts(results, t).items() if len(ds) > 1)
             if split:
                 L += ["", f"**{t}: rows of seed {', '.join(split)} began from different warm starts** (their weights' "
                       "digests differ, or some GPU rows predate the digest and may have begun from another warm start: "
