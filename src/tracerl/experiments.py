@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -160,11 +161,19 @@ def warm_cache_path(cfg: Config, cache: Path) -> Path:
     return cache / f"warm-{cfg.task.name}-s{cfg.train.seed}-{h}.pt"
 
 
-def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
-    """The shared warm-start weights for (task, seed, warm-start settings), computed once."""
+class WarmStart(NamedTuple):
+    """A shared warm start: its weights, and their `state_digest` (hashed once, not per cell)."""
+
+    state: dict[str, torch.Tensor]
+    digest: str
+
+
+def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> WarmStart:
+    """The shared warm start for (task, seed, warm-start settings), computed once."""
     path = warm_cache_path(cfg, cache)
     if path.exists():
-        return ckpt.load(path)["model"]
+        state = ckpt.load(path)["model"]
+        return WarmStart(state, state_digest(state))
     log(f"warm start {cfg.task.name} seed {cfg.train.seed}")
     t = Trainer(_with(cfg, ["run.checkpoint_every=0"]), log=log)  # log: the stop_at_reward checks
     w = cfg.warm_start
@@ -179,7 +188,7 @@ def _warm_state(cfg: Config, cache: Path, log: Callable[[str], None]) -> dict:
         log(f"warm start {cfg.task.name} seed {cfg.train.seed}: {len(losses)} steps; sampled train reward "
             f"{last['reward']:.3f} at step {last['step']} ({reached} {w.stop_at_reward})")
     ckpt.save_atomic({"model": t.model.state_dict(), "losses": losses, "checks": t.warm_checks}, path)
-    return t.model.state_dict()
+    return WarmStart(t.model.state_dict(), state_digest(t.model.state_dict()))
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
@@ -196,7 +205,7 @@ def _with(cfg: Config, overrides: list[str]) -> Config:
     return config_from_dict(cfg.to_dict(), overrides)
 
 
-def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[str], None],
+def run_one(cfg: Config, warm: WarmStart, cells: Path, cache: Path, log: Callable[[str], None],
             refresh: bool = False) -> dict:
     """Train one row (its record cached by config hash in `cells`); return the record.
 
@@ -210,7 +219,7 @@ def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[st
     log(f"train {cfg.run.name}")
     t0 = time.perf_counter()
     tr = Trainer(_with(cfg, ["run.checkpoint_every=0", "run.eval_every=0"]))
-    tr.start_from(warm)
+    tr.start_from(warm.state)
     every = cfg.run.eval_every
     history = []
     for step in range(1, cfg.train.steps + 1):
@@ -228,7 +237,7 @@ def run_one(cfg: Config, warm: dict, cells: Path, cache: Path, log: Callable[[st
            "device": str(tr.device), "eval_every": every,
            # which warm start it began from, and whether the GPU kernels were deterministic: rows of one
            # task compare methods only if they share the warm start (the report checks)
-           "warm_digest": state_digest(warm), "deterministic": tr.device.type == "cpu" or cfg.run.deterministic}
+           "warm_digest": warm.digest, "deterministic": tr.device.type == "cpu" or cfg.run.deterministic}
     _write_json(path, rec)
     return rec
 
@@ -279,15 +288,15 @@ def study_is_current(rec: dict) -> bool:
         "mismatch/kl_k3_trim5" in a for a in rec["alignments"].values())
 
 
-def mismatch_study(cfg: Config, warm: dict, suite: Suite, dtype_name: str) -> dict:
+def mismatch_study(cfg: Config, warm: WarmStart, suite: Suite, dtype_name: str) -> dict:
     """Alignments and the CachePolicy sweep on one fixed FP4 rollout batch from the warm-start policy."""
     cfg = _with(cfg, [f"train.compute_dtype={dtype_name}", "rollout.recipe=w4a4kv4", "train.alignment=trace"])
     tr = Trainer(_with(cfg, ["run.checkpoint_every=0"]))
-    tr.model.load_state_dict(warm)
+    tr.model.load_state_dict(warm.state)
     recipe = tr.recipe
     prompts = tr.task.prompts("train", suite.study_prompts, seed=12345)
     out: dict = {"dtype": dtype_name, "alignments": {}, "sweep": [], "schema": STUDY_SCHEMA,
-                 "warm_digest": state_digest(warm)}
+                 "warm_digest": warm.digest}
 
     def rollout(policy: CachePolicy | None) -> tuple:
         eng = Engine(tr.model, recipe, policy, dtype=tr.engine.dtype, device=tr.device, diagnostics=True)
@@ -458,7 +467,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
             return run_one(cfg, warm_for(cfg), cells, cache, log, refresh=True)
         return budgeted("run", train)
 
-    def warm_for(cfg: Config) -> dict:
+    def warm_for(cfg: Config) -> WarmStart:
         key = (cfg.task.name, cfg.train.seed)
         if key not in warm_cache:
             warm_cache[key] = _warm_state(cfg, cache, log)
