@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU comparison suite on the lent GPU, resumable across calls and device sessions.
 # Run from the repo root on the device (torch + triton there; tracerl not installed):
-#     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] [PROBE_LRS=3e-5,1e-4] bash bench/device_compare.sh
+#     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] [ENGINE_BENCH=1] [PROBE_LRS=3e-5,1e-4] bash bench/device_compare.sh
 # 1. CUDA tests of the engine/trainer paths (skipped if TESTS=0); with PROBE_LRS, bench/lr_probe.py
 #    (one row of PROBE_TASK, default arith, at each rate; $OUT/lr_probe.json) before the suite;
 # 2. `tracerl compare --suite ${SUITE:-small} --time-budget $COMPARE_BUDGET` writing into reports/
 #    (cells already committed under reports/<suite>/cells are reused; weights stay in
 #    reports/<suite>/cache on the machine, so a second call while it is warm reuses them too);
+#    with ENGINE_BENCH=1 first bench/engine_rollout.py (reference vs graph engine; $OUT/engine_rollout.json);
 # 3. packs reports/<suite> (without the weights in cache/) as $OUT/reports_<suite>.tgz, beside the logs.
 # Locally afterwards: `tar xzf reports_<suite>.tgz -C reports` (adds the new cells) and run
 # `tracerl compare --suite <suite> --time-budget 0` to assemble the (partial) report from cells.
@@ -30,9 +31,12 @@ trap copy_back EXIT
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py tests/test_kernels.py 2>/dev/null)
+  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py tests/test_kernels.py tests/test_graph_engine.py 2>/dev/null)
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest $tests -p no:cacheprovider -o addopts="" -q -rfEs \
     --durations=10 2>&1 | tee "$OUT/cuda_tests.log"
+fi
+if [ "${ENGINE_BENCH:-0}" = 1 ]; then  # RL rollout time, reference vs graph engine, and recording's cost
+  timeout "${ENGINE_TIMEOUT:-240}" python3 bench/engine_rollout.py --out "$OUT/engine_rollout.json" 2>&1 | tee "$OUT/engine_rollout.log"
 fi
 if [ -n "${PROBE_LRS:-}" ]; then  # e.g. PROBE_LRS=3e-5,1e-4: RL at each rate on one task first (bench/lr_probe.py)
   timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \

@@ -288,6 +288,30 @@ def test_trainer_step_on_cuda_with_routing_replay(tmp_path, alignment):
     r.close()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the graph engine runs on CUDA")
+@pytest.mark.parametrize("task", ["arith", "maze"])
+def test_trainer_steps_with_the_graph_engine(tmp_path, task):
+    # rollout.engine=graph: Triton kernels + CUDA-graph decode, records made inside the graph; the
+    # guided trainer (all layers, codes) must follow those rollouts much closer than a BF16 trainer
+    def run(name, extra):
+        cfg = load_config("configs/tiny-arith.yaml", [f"run.out_dir={tmp_path}", f"run.name={name}",
+                                                       f"task.name={task}", "rollout.engine=graph", *FAST, *extra])
+        t = Trainer(cfg)
+        t.warm_start()
+        ms = [t.train_step(), t.train_step()]
+        t.close()
+        for m in ms:
+            assert all(_finite(v) for k, v in m.items() if isinstance(v, float)), m
+        return ms
+
+    full = run("full", ["train.alignment=trace", "guidance.layers=all", "guidance.encoding=codes"])
+    naive = run("naive", ["train.alignment=none"])
+    assert all(m["flips/act_frac"] == 0.0 and m["guidance/bytes_per_token"] > 0 for m in full), full
+    kl_full = sum(m["mismatch/kl_k3"] for m in full)
+    kl_naive = sum(m["mismatch/kl_k3"] for m in naive)
+    assert kl_full < kl_naive / 10, (kl_full, kl_naive)
+
+
 def test_trainer_on_cuda_reproduces_warm_start_and_steps_bit_for_bit(tmp_path):
     # run.deterministic (default): on the H200 two warm starts of small/code differed by 4e-9 without it
     # (bench/determinism.py), and the suite's cached cells assume a config fixes its run

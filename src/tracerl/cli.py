@@ -101,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tracerl.rl import checkpoint as ckpt
     from tracerl.rl.evaluate import evaluate
     from tracerl.rl.trainer import compute_dtype_of, resolve_device, rollout_dtype
-    from tracerl.rollout import Engine
+    from tracerl.rollout import make_engine
 
     run = Path(args.run)
     cfg = load_config(run / "config.yaml")
@@ -115,7 +115,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.device:
         cfg = config_from_dict(cfg.to_dict(), [f"run.device={args.device}"])
     device = resolve_device(cfg)
-    engine = Engine(model, recipe, dtype=rollout_dtype(device, compute_dtype_of(cfg)), device=device)
+    engine = make_engine(cfg.rollout.engine, model, recipe, dtype=rollout_dtype(device, compute_dtype_of(cfg)),
+                         device=device)
     r = evaluate(engine, task, n=args.n, max_new_tokens=cfg.rollout.max_new_tokens or task.max_new_tokens)
     console.print_json(json.dumps({"run": str(run), "step": state["step"], "recipe": recipe.name, **r}))
     return 0

@@ -50,6 +50,9 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     diagnostics: bool = True  # record every site's codes to measure flips (costs memory)
+    # reference: the model's PyTorch forward (any device, exact FP4 via tracerl.fp4); graph: CUDA only,
+    # the Triton FP4 kernels with one CUDA graph per decode step, recording inside it (rollout/graph_engine.py)
+    engine: str = "reference"
 
 
 @dataclass

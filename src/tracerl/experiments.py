@@ -45,7 +45,7 @@ from tracerl.rl.collect import collect
 from tracerl.rl.evaluate import evaluate
 from tracerl.rl.sft import warm_start
 from tracerl.rl.trainer import WARM_CHECK_PROMPTS, WARM_CHECK_SAMPLES, WARM_CHECK_SEED, Trainer
-from tracerl.rollout import Engine
+from tracerl.rollout import Engine, make_engine
 
 ROWS = ("bf16", "fp4-naive", "fp4-tis", "fp4-qat", "fp4-qat-r3", "trace", "trace-full")
 DEPLOY = "w4a4kv4"  # how FP4 rows (and ptq) are deployed
@@ -129,6 +129,8 @@ def _settings(cfg: Config) -> dict:
     d = cfg.to_dict()
     if d["warm_start"]["stop_at_reward"] <= 0:  # off: the warm start runs all its steps, as before
         del d["warm_start"]["stop_at_reward"], d["warm_start"]["check_every"]
+    if d["rollout"]["engine"] == "reference":  # the engine every cell ran before the graph engine existed
+        del d["rollout"]["engine"]
     return d
 
 
@@ -267,7 +269,8 @@ def eval_ptq(cfg_bf16: Config, rec_bf16: dict, cache: Path) -> dict:
         raise FileNotFoundError(f"{path}: the bf16 row's final weights are needed for ptq; they are not committed, "
                                 f"so delete its cell {rec_bf16['hash']} (cells/run-{rec_bf16['hash']}.json) to re-train it")
     tr.model.load_state_dict(ckpt.load(path)["model"])
-    eng = Engine(tr.model, qat.Recipe(DEPLOY, fmt=cfg_bf16.rollout.format), dtype=tr.engine.dtype, device=tr.device)
+    eng = make_engine(cfg_bf16.rollout.engine, tr.model, qat.Recipe(DEPLOY, fmt=cfg_bf16.rollout.format),
+                      dtype=tr.engine.dtype, device=tr.device)
     r = evaluate(eng, tr.task, n=cfg_bf16.task.eval_prompts, max_new_tokens=tr.max_new_tokens)
     return {"eval/acc": r["acc"], "eval/reward": r["reward"]}
 
@@ -299,6 +302,7 @@ def mismatch_study(cfg: Config, warm: WarmStart, suite: Suite, dtype_name: str) 
                  "warm_digest": warm.digest}
 
     def rollout(policy: CachePolicy | None) -> tuple:
+        # the reference engine whatever rollout.engine says: the sweep includes `ties`, which only it records
         eng = Engine(tr.model, recipe, policy, dtype=tr.engine.dtype, device=tr.device, diagnostics=True)
         _sync(tr.device)
         t0 = time.perf_counter()

@@ -30,9 +30,12 @@ def _prompt_ids(task, prompts: list[T.Prompt]) -> list[list[int]]:
     return [task.tokenizer.encode(p.text, add_bos=True) for p in prompts]
 
 
-def _turn_text(task, batch: RolloutBatch, i: int, start: int) -> str:
-    cols = batch.policy_mask[i, start:]
-    ids = batch.tokens[i, start:][cols].tolist()
+def _turn_text(task, batch: RolloutBatch, i: int, skip: int) -> str:
+    """Sequence i's policy tokens after its first `skip` (the latest turn's action).
+
+    Counted in policy tokens, not columns: the reference engine starts every turn at one column,
+    the graph engine each sequence right after its own last token."""
+    ids = batch.tokens[i][batch.policy_mask[i]][skip:].tolist()
     return decode(task.tokenizer, ids)
 
 
@@ -56,7 +59,7 @@ def _episodes(engine: Engine, task, rows: list[T.Prompt], batch: RolloutBatch, p
     """Alternate policy turns and environment observations until every episode ends."""
     tok = task.tokenizer
     episodes = [task.reset(p) for p in rows]
-    turn_start = [int(batch.prompt_mask[i].nonzero().max()) + 1 for i in range(len(batch))]
+    turn_start = [0] * len(batch)  # policy tokens before each sequence's latest turn
     transcripts: list[list[str]] = [[] for _ in rows]
     turn_params = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                  top_p=params.top_p, stop=params.stop, n=1)
@@ -82,11 +85,11 @@ def _episodes(engine: Engine, task, rows: list[T.Prompt], batch: RolloutBatch, p
         need = max(len(a) for a in appended if a is not None) + turn_params.max_new_tokens
         if batch.tokens.shape[1] + need > engine.max_len:
             break  # out of context: the episode ends here and is scored as it stands
-        before = batch.tokens.shape[1]
+        before = batch.policy_mask.sum(-1).tolist()
         batch = engine.continue_(batch, appended, turn_params, seed=seed + n_turns)
         for i, a in enumerate(appended):
             if a is not None:
-                turn_start[i] = before
+                turn_start[i] = before[i]
     rewards = torch.tensor([min(max(float(ep.total_reward), 0.0), 1.0) for ep in episodes])
     infos = [{"turns": len(t), "done": bool(getattr(ep, "done", True))} for t, ep in zip(transcripts, episodes)]
     return Collected(batch, rewards, [" | ".join(t) for t in transcripts], infos,

@@ -41,7 +41,7 @@ from tracerl.rl.evaluate import evaluate
 from tracerl.rl.losses import aggregate, clipped_pg_loss_NT, group_advantages, k3_kl_NT, zero_variance_groups
 from tracerl.rl.metrics import entropy_mean, flip_metrics, mismatch_metrics
 from tracerl.rl.sft import warm_start
-from tracerl.rollout import Engine
+from tracerl.rollout import Engine, make_engine
 
 
 class TrainingDiverged(RuntimeError):
@@ -147,9 +147,10 @@ class Trainer:
             self.dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.dir / "config.yaml")
             (self.dir / "metrics.jsonl").write_text("")
-        self.engine = Engine(self.model, self.recipe, self.policy if cfg.train.alignment == "trace" else None,
-                             dtype=rollout_dtype(self.device, self.compute_dtype), device=self.device,
-                             diagnostics=cfg.rollout.diagnostics)
+        self.engine = make_engine(cfg.rollout.engine, self.model, self.recipe,
+                                  self.policy if cfg.train.alignment == "trace" else None,
+                                  dtype=rollout_dtype(self.device, self.compute_dtype), device=self.device,
+                                  diagnostics=cfg.rollout.diagnostics)
         self._tb = None
 
     # ------------------------------------------------------------------ lifecycle

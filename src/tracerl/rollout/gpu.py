@@ -1,7 +1,8 @@
 """GPUDecoder: a standalone GPU decode backend for the MoE model, FP4 weights/activations/KV kept packed.
 
-It is *not* wired into `rollout.Engine` (which keeps the CPU-reference path, records guidance
-and handles multi-turn); it runs the same computation for measuring and serving decode speed:
+`rollout.Engine` keeps the CPU-reference path; `rollout.graph_engine.GraphEngine` runs RL rollouts
+on this decoder (forced tokens, stops and recording added to the captured step through the
+`_observe` / `_observe_routing` / `_advance` hooks). On its own it measures and serves decode speed:
 
     w = DecoderWeights.from_packed(model.config, model.pack_weights(Recipe("w4a4kv4")), device="cuda")
     dec = GPUDecoder(w, batch=256, max_len=2048, temperature=1.0)
@@ -259,6 +260,12 @@ class DecoderWeights:
         return cls(cfg, recipe, embed, head, ones, layers)
 
 
+def _fp4_index(q: fp4.FP4Tensor, j: int) -> fp4.FP4Tensor:
+    """q[j] along the leading dim (views)."""
+    gs = None if q.global_scale is None else q.global_scale[j]
+    return fp4.FP4Tensor(q.codes[j], q.scales[j], gs, q.fmt, q.shape[1:])
+
+
 def quantize_weight(w: torch.Tensor) -> fp4.FP4Tensor:
     """NVFP4 of a (stacked) weight with one global scale per matrix, as qat.quantize_weight, on the
     Triton kernels: stacked (E, O, I) experts are quantized as E rows of O*I (blocks of 16 never
@@ -329,8 +336,28 @@ class GPUDecoder:
 
     # ------------------------------------------------------------------ one step
 
-    def _act(self, site: str, x: torch.Tensor):
-        return kernels.quantize(x, "nvfp4", per_row_global=True) if self.recipe.quantizes(site) else x
+    def _act(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None = None):
+        """x quantized per row if the recipe quantizes `site`; `pairs`: the (token * top_k + slot)
+        of each row of x when its rows are expert-sorted (the down input), for `_observe`."""
+        if not self.recipe.quantizes(site):
+            return x
+        q = kernels.quantize(x, "nvfp4", per_row_global=True)
+        self._observe(site, q, pairs)
+        return q
+
+    # hooks for a recording subclass (rollout/graph_engine.py); they run inside the captured step
+
+    def _observe(self, site: str, q: fp4.FP4Tensor, pairs: torch.Tensor | None) -> None:
+        """An activation site's quantization outcome (rows: tokens, or expert-sorted pairs)."""
+
+    def _observe_routing(self, layer: int, ids: torch.Tensor) -> None:
+        """A layer's top-k expert ids (B, K)."""
+
+    def _advance(self) -> None:
+        """After sampling: the sampled tokens become the next inputs, every row moves one column."""
+        self.tokens.copy_(self.next_tokens)
+        self.pos.add_(1)
+        self.seed.add_(1)
 
     def _linear(self, x: torch.Tensor, w, site: str, out_f32: bool = False) -> torch.Tensor:
         if isinstance(w, fp4.FP4Tensor):
@@ -348,6 +375,7 @@ class GPUDecoder:
         p = f"layers.{i}.mlp.experts"
         logits = torch.mm(self.h32, lw.router_t)
         ids, gates = fg.route(logits, K, cfg.norm_topk_prob or cfg.router == "topk_softmax")
+        self._observe_routing(i, ids)
         offs, tok, pair, gsort = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
         tiles = (*fg.row_tiles(offs, self.bm, self.max_tiles), self.bm)
         if not isinstance(lw.gate_up, fp4.FP4Tensor) and self.bf16_experts == "grouped_mm":
@@ -359,7 +387,7 @@ class GPUDecoder:
             return
         xa = self._act(f"{p}.gate_up.input", self.h)
         hmid = fg.grouped_gemm(xa, lw.gate_up, offs, row_idx=tok, swiglu=True, n_rows=tok.numel(), tiles=tiles)
-        hm = self._act(f"{p}.down.input", hmid)
+        hm = self._act(f"{p}.down.input", hmid, pairs=pair)
         fg.grouped_gemm(hm, lw.down, offs, dst_idx=pair, gate=gsort, out=self.y, tiles=tiles)
 
     def _attention(self, i: int, lw: LayerWeights) -> torch.Tensor:
@@ -371,6 +399,8 @@ class GPUDecoder:
             q = fa.qkv_post(qkv, self.pos, self.cos, self.sin, lw.qk_norm, H, Hkv, Dh, cfg.rms_norm_eps,
                             self.kv_new[0], self.kv_new[1])
             kvq = kernels.quantize(self.kv_new, "nvfp4", per_row_global=True)
+            for j, name in enumerate(("k_cache", "v_cache")):
+                self._observe(f"layers.{i}.attn.{name}", _fp4_index(kvq, j), None)
             fa.kv_store_fp4(kvq, self.pos, c.codes[:, i], c.scales[:, i], c.gscale[:, i])
             o = fa.decode_attention(q, self.lens, k_fp4=(c.codes[0, i], c.scales[0, i], c.gscale[0, i]),
                                     v_fp4=(c.codes[1, i], c.scales[1, i], c.gscale[1, i]), split_len=self.split_len)
@@ -395,9 +425,7 @@ class GPUDecoder:
             add_rmsnorm(self.x, self.y.view(self.B, cfg.top_k, cfg.hidden_size), nxt, eps, self.h)
         self.logits.copy_(self._linear(self.h, w.lm_head, "lm_head", out_f32=True))
         sample_tokens(self.logits, self.temperature, self.seed, self.next_tokens, self.logprobs)
-        self.tokens.copy_(self.next_tokens)
-        self.pos.add_(1)
-        self.seed.add_(1)
+        self._advance()
 
     def capture(self) -> None:
         """Compile (one eager step) and capture the step as a CUDA graph; the state is restored."""

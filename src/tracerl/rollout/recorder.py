@@ -81,6 +81,46 @@ class SiteRecorder:
                 raise ValueError(f"{site}: the ties encoding needs the scaled values (check needs_scaled first)")
             st.near[self.rows, self.start:end] = near_midpoint(scaled, self.policy.delta)
 
+    def observe_at(self, site: str, q: fp4.FP4Tensor, flat: torch.Tensor, rest: tuple[int, ...] = ()) -> None:
+        """Stage q's rows (N, ...) at flat positions of the (slots, max_len, *rest) grid.
+
+        The graph engine's form of `observe`: where each row goes is a device tensor (each slot
+        writes its own column), so the write can be captured in a CUDA graph. `rest` is the
+        position's sub-index the grid has beyond (slot, column): (top_k,) for an expert site whose
+        rows are (token, slot) pairs, () for a token site; q's own trailing dims (e.g. KV heads)
+        follow it. The ties encoding needs the scaled values, which this path does not stage.
+        """
+        if not self.wants(site):
+            return
+        if self.needs_scaled(site):
+            raise ValueError(f"{site}: the `ties` encoding is not recorded by the graph engine; use lsb or codes")
+        st = self.stages.get(site)
+        k = q.shape[-1]
+        inner = tuple(q.codes.shape[1:-1])  # per-row dims of q between its rows and the packed codes
+        if st is None:
+            lead = (self.n_slots, self.max_len, *rest, *inner)
+            dev = q.codes.device
+            st = _Stage(
+                codes=torch.zeros(*lead, k // 2, dtype=torch.uint8, device=dev),
+                scales=torch.zeros(*lead, q.scales.shape[-1], dtype=torch.uint8, device=dev),
+                gscale=torch.ones(*lead, 1, device=dev) if q.global_scale is not None else None,
+                near=None, k=k,
+            )
+            self.stages[site] = st
+        st.codes.view(-1, *q.codes.shape[1:]).index_copy_(0, flat, q.codes)
+        st.scales.view(-1, *q.scales.shape[1:]).index_copy_(0, flat, q.scales.view(torch.uint8))
+        if st.gscale is not None:
+            st.gscale.view(-1, *q.global_scale.shape[1:]).index_copy_(0, flat, q.global_scale)
+
+    def clear(self) -> None:
+        """Zero every stage in place (the graph engine reuses its buffers across calls)."""
+        for st in self.stages.values():
+            for t in (st.codes, st.scales, st.near):
+                if t is not None:
+                    t.zero_()
+            if st.gscale is not None:
+                st.gscale.fill_(1.0)
+
     def expand(self, index: torch.Tensor) -> None:
         """Re-slot after a shared prefill: slot i becomes a copy of old slot index[i]."""
         for st in self.stages.values():
@@ -92,26 +132,34 @@ class SiteRecorder:
                 st.near = st.near[index].contiguous()
         self.n_slots = len(index)
 
-    def _fp4(self, st: _Stage, length: int) -> fp4.FP4Tensor:
+    def _fp4(self, st: _Stage, length: int, copy: bool = False) -> fp4.FP4Tensor:
         spec = fp4.FORMATS[self.recipe.fmt]
-        codes = st.codes[:, :length]
+
+        def cut(t):
+            t = t[:, :length]
+            return t.clone() if copy else t
+
+        codes = cut(st.codes)
         return fp4.FP4Tensor(
             codes=codes,
-            scales=st.scales[:, :length].view(spec.scale_dtype),
-            global_scale=None if st.gscale is None else st.gscale[:, :length],
+            scales=cut(st.scales).view(spec.scale_dtype),
+            global_scale=None if st.gscale is None else cut(st.gscale),
             fmt=self.recipe.fmt,
             shape=torch.Size((*codes.shape[:-1], st.k)),
         )
 
-    def finalize(self, length: int, valid: torch.Tensor) -> tuple[dict[str, GuidanceRecord], dict[str, fp4.FP4Tensor], float]:
-        """(policy records, diagnostic reference codes, record bytes per valid token) over columns [0, length)."""
+    def finalize(self, length: int, valid: torch.Tensor, copy: bool = False
+                 ) -> tuple[dict[str, GuidanceRecord], dict[str, fp4.FP4Tensor], float]:
+        """(policy records, diagnostic reference codes, record bytes per valid token) over columns [0, length).
+
+        `copy`: the records own their tensors (not views of stages that will be reused)."""
         records: dict[str, GuidanceRecord] = {}
         reference: dict[str, fp4.FP4Tensor] = {}
         n_valid = max(int(valid.sum()), 1)
         frac_valid = n_valid / valid.numel()
         total_bytes = 0.0
         for site, st in self.stages.items():
-            q = self._fp4(st, length)
+            q = self._fp4(st, length, copy)
             if self.diagnostics:
                 reference[site] = q
             if self.policy is None or not self.policy.records(site, self.n_layers):
