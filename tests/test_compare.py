@@ -268,6 +268,26 @@ def test_claim_c_pairs_seeds_needs_two_standard_errors_and_skips_a_saturated_tas
     assert claims(res)["c"]["held"] is False
 
 
+def test_claim_a_cross_check_on_the_first_training_batch():
+    def run(kl, reward=0.5, length=7.0):
+        return {"history": [{"reward/mean": reward, "response_len/mean": length, "mismatch/kl_k3": kl}]}
+
+    res = {"study": {}, "tasks": ["arith", "maze"], "seeds": [0, 1], "ptq": {}, "runs": {
+        "trace/arith/0": run(1e-5), "fp4-qat-r3/arith/0": run(4e-5), "fp4-naive/arith/0": run(1e-3),
+        # seed 1: trace above a third of qat-r3's
+        "trace/arith/1": run(2e-5), "fp4-qat-r3/arith/1": run(5e-5), "fp4-naive/arith/1": run(1e-3),
+        # maze: qat-r3 already negligible, not judged
+        "trace/maze/0": run(3e-9), "fp4-qat-r3/maze/0": run(1e-9), "fp4-naive/maze/0": run(1e-4),
+        # maze seed 1: the rows' first batches differ (another sampled length): left out
+        "trace/maze/1": run(1e-5), "fp4-qat-r3/maze/1": run(1e-3, length=8.0), "fp4-naive/maze/1": run(1e-2),
+    }}
+    fb = claims(res)["a"]["first_batch"]
+    assert [(r[0], r[-1]) for r in fb] == [("arith/0", True), ("arith/1", False), ("maze/0", None)]
+    assert fb[0][1:4] == (1e-5, 4e-5, 1e-3)
+    del res["runs"]["trace/arith/1"]  # a row not run: that seed is not compared
+    assert [r[0] for r in claims(res)["a"]["first_batch"]] == ["arith/0", "maze/0"]
+
+
 def test_claims_not_measured_when_rows_are_missing():
     res = {"study": {}, "tasks": ["arith"], "runs": {}, "ptq": {}}
     assert all(v["held"] is None for v in claims(res).values())

@@ -206,8 +206,8 @@ def test_graph_engine_syncs_once_per_check():
 
     m = _model().to("cuda")
     eng = make_engine("graph", m, qat.Recipe("w4a4kv4"), CachePolicy("fraction:0.5", "codes+scales", "lsb"),
-                      device="cuda", max_len=64, check_every=8)
-    params = SamplingParams(max_new_tokens=32, n=2, stop=())
+                      device="cuda", max_len=80, check_every=8)
+    params = SamplingParams(max_new_tokens=64, n=2, stop=())
     prompts = [[1, 5, 9, 13], [1, 7]]
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # as in RL (run.deterministic)
@@ -226,7 +226,8 @@ def test_graph_engine_syncs_once_per_check():
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
                                 if "called a synchronizing" in str(w.message))
     n = sum(sites.values())
-    steps = 4 + 32  # the longest prompt is fed one token per step, then 32 sampled
+    steps = 4 + 64  # the longest prompt is fed one token per step, then 64 sampled
     print(f"\ngraph engine: {n} host syncs for {steps} steps: {sites.most_common()}")
-    assert all(len(b.responses(i)) == 32 for i in range(len(b)))
-    assert n <= steps // 8 + 2 + 12, sites.most_common(8)
+    assert all(len(b.responses(i)) == 64 for i in range(len(b)))
+    # a poll per 8 steps (+1), and the copies that set up and finish the call: never one per step
+    assert n <= steps // 8 + 2 + 18 < steps, sites.most_common(8)

@@ -141,6 +141,30 @@ def _claim_a_rows(studies: dict, metric: str) -> list[tuple]:
     return rows
 
 
+def _claim_a_first_batch(results: dict) -> list[tuple]:
+    """(task/seed, trace, qat-r3, naive, held) on each seed's first training batch, judged as (a).
+
+    Every FP4 row of a seed samples its first batch from the same warm start with the same seed and
+    the same FP4 computation, so the rows' step-1 kl_k3 compare alignments on one more shared batch
+    (the training prompts, not the study's): a second draw from the heavy-tailed per-batch kl_k3.
+    A seed whose rows' first batches differ (reward or length) is left out.
+    """
+    rows = []
+    runs = results["runs"]
+    for task in results["tasks"]:
+        for seed in results.get("seeds", []):
+            recs = [runs.get(f"{row}/{task}/{seed}") for row in ("trace", "fp4-qat-r3", "fp4-naive")]
+            if any(r is None or not r.get("history") for r in recs):
+                continue
+            firsts = [r["history"][0] for r in recs]
+            if len({(f.get("reward/mean"), f.get("response_len/mean")) for f in firsts}) != 1:
+                continue
+            tr, r3, no = (f["mismatch/kl_k3"] for f in firsts)
+            held = None if r3 < NEGLIGIBLE_KL else tr < r3 / 3 and tr < no / 3
+            rows.append((f"{task}/{seed}", tr, r3, no, held))
+    return rows
+
+
 def _claim_d_rows(studies: dict, metric: str) -> list[tuple]:
     """(study, share of trace-full's reduction kept, share of its bytes, held); held None as in (a)."""
     rows = []
@@ -186,6 +210,7 @@ def claims(results: dict) -> dict[str, dict]:
     # (a) trace mismatch well below fp4-qat and fp4-naive, on the same rollouts
     rows = _claim_a_rows(studies, "mismatch/kl_k3")
     out["a"] = {"held": _held(rows), "rows": rows, "robust": _robust(studies, _claim_a_rows),
+                "first_batch": _claim_a_first_batch(results),
                 "fragile": _fragile(studies, ("trace", "qat-r3")),
                 "text": "trace's kl_k3 is below a third of fp4-qat-r3's and fp4-naive's on every task's fixed bf16 rollout batch "
                         "(a batch where fp4-qat-r3's kl_k3 is already below 1e-6 is not judged)"}
@@ -361,6 +386,11 @@ def write_report(results_path: str | Path) -> Path:
             L.append(f"  Not judged on {', '.join(skipped)} (see the test's exclusions); the verdict rests on the rest.")
         if cl[k].get("robust") is not None:
             L.append(f"  Re-judged on kl_k3 without each batch's 5 worst tokens: {verdict[cl[k]['robust']]}.")
+        fb = cl[k].get("first_batch")
+        if fb:
+            L.append(f"  Cross-check on each seed's first training batch (one FP4 rollout shared by every FP4 row): "
+                     f"{verdict[_held(fb)]} (trace / fp4-qat-r3 / fp4-naive kl_k3: "
+                     + "; ".join(f"{r[0]} {_f(r[1], True)} / {_f(r[2], True)} / {_f(r[3], True)}" for r in fb) + ").")
         # a large gap survives its worst token: warn only where the trimmed verdict differs (or is unknown)
         if cl[k].get("fragile") and cl[k].get("robust") != cl[k]["held"]:
             L.append(f"  Caution: on {', '.join(cl[k]['fragile'])} one token carries more than half of a compared "

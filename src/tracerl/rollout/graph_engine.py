@@ -125,7 +125,7 @@ class RecordingDecoder(GPUDecoder):
         _put(self.logp, flat, self.logprobs, sampled)
         self.i_forced += (act & has_f).long()
         self.budget -= sampled.long()
-        stopped = sampled & torch.isin(self.next_tokens, self.stop)
+        stopped = sampled & (self.next_tokens[:, None] == self.stop[None]).any(-1)
         self.finished |= stopped
         done = stopped | (sampled & (self.budget <= 0)) | (act & (col >= T - 1))
         self.tokens.copy_(torch.where(act, nxt, self.tokens))
