@@ -100,22 +100,45 @@ def check_multi_turn(dev: str) -> None:
     recipe = qat.Recipe("w4a4kv4")
     eng = make_engine("graph", m, recipe, CachePolicy("all", "codes+scales", "lsb"), device=dev, max_len=32,
                       check_every=3)
-    params = SamplingParams(max_new_tokens=3, temperature=1.0, stop=(), n=1)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, stop=(), n=2)
     b1 = eng.generate([[1, 5, 9], [1, 7, 3, 4]], params, seed=1)
-    first = [b1.sequence(i) for i in range(2)]
+    first = [b1.sequence(i) for i in range(4)]
     obs = [20, 21, 22, 23]
-    b2 = eng.continue_(b1, [obs, None], params, seed=2)
+    turn = SamplingParams(max_new_tokens=3, temperature=1.0, stop=(), n=1)
+    # row 0 an observation, row 1 over, row 2 an empty observation (acts again), row 3 a short one
+    b2 = eng.continue_(b1, [obs, None, [], [30]], turn, seed=2)
+    assert b2.prompt_index.tolist() == [0, 0, 1, 1]  # the GRPO groups survive the turns
     s0 = b2.sequence(0)
     assert s0[:len(first[0])] == first[0] and s0[len(first[0]):len(first[0]) + 4] == obs
     assert len(s0) == len(first[0]) + 4 + 3
     assert b2.sequence(1) == first[1]  # no observation: the episode is over, nothing appended
     env_cols = b2.attention_mask[0] & ~b2.policy_mask[0] & ~b2.prompt_mask[0]
     assert b2.tokens[0][env_cols].tolist() == obs
-    assert len(b2.responses(0)) == 6 and len(b2.responses(1)) == 3
+    assert b2.sequence(2)[:len(first[2])] == first[2] and len(b2.sequence(2)) == len(first[2]) + 3
+    assert b2.sequence(3)[len(first[3])] == 30
+    assert [len(b2.responses(i)) for i in range(4)] == [6, 3, 6, 6]
     # lsb guidance + scales reproduce the rollout's codes on every recorded site
     full = alignment_report(m, b2, alignment="trace", recipe=recipe, routing_replay=True)
     none = alignment_report(m, b2, alignment="none", recipe=recipe, routing_replay=False)
     assert full["mismatch/kl_k3"] < none["mismatch/kl_k3"] / 10, (full, none)
+
+
+def check_turn_noise(dev: str) -> None:
+    """Turns of an episode draw fresh sampling noise (collect passes seed + turn to each turn).
+
+    At temperature 20 the tiny model's distribution is nearly uniform, so the sampled token is
+    the Gumbel noise's argmax: a turn that re-drew the previous turn's noise (keys a few steps
+    apart) would repeat its tokens at some shift. Independent noise matches ~1/128 of positions.
+    """
+    m = _model().to(dev)
+    eng = make_engine("graph", m, qat.Recipe("bf16"), device=dev, max_len=48)
+    params = SamplingParams(max_new_tokens=12, temperature=20.0, stop=(), n=2)
+    b1 = eng.generate([[1, 5, 9]], params, seed=7)
+    b2 = eng.continue_(b1, [[], []], SamplingParams(max_new_tokens=12, temperature=20.0, stop=()), seed=8)
+    for i in range(2):
+        t1, t2 = b2.responses(i)[:12], b2.responses(i)[12:]
+        best = max(sum(t2[j] == t1[j + d] for j in range(12) if 0 <= j + d < 12) for d in range(-11, 12))
+        assert best <= 3, (i, t1, t2)
 
 
 def check_errors(dev: str) -> None:
@@ -134,6 +157,14 @@ def check_errors(dev: str) -> None:
 
 
 # ----------------------------------------------------------------------------- CPU
+
+
+def test_philox_keys_of_nearby_seeds_lie_far_apart():
+    from tracerl.rollout.graph_engine import philox_key
+
+    # the step counts up in the low word: calls of distinct high words never share a key
+    keys = [philox_key(s) for s in range(5000)]
+    assert len({k >> 32 for k in keys}) == 5000 and all(k % 2**32 == 0 and 0 < k < 2**63 for k in keys)
 
 
 def test_make_engine_errors():
@@ -174,7 +205,7 @@ def test_graph_engine_in_interpreter():
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="needs triton and no CUDA (the interpreter runs on CPU)")
 def test_graph_engine_full_in_interpreter():
     p = _run_interpreter("import test_graph_engine as t; t.check_generate('cpu'); t.check_multi_turn('cpu'); "
-                         "t.check_errors('cpu'); print('checks ok')")
+                         "t.check_turn_noise('cpu'); t.check_errors('cpu'); print('checks ok')")
     assert p.returncode == 0 and "checks ok" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
 
 
@@ -194,6 +225,7 @@ def test_graph_engine_gpu(check_every):
 @pytest.mark.gpu
 def test_graph_engine_multi_turn_gpu():
     check_multi_turn("cuda")
+    check_turn_noise("cuda")
     check_errors("cuda")
 
 

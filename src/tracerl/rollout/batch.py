@@ -15,8 +15,9 @@ from tracerl.guidance import GuidanceRecord
 class RolloutBatch:
     """Token ids, masks, rollout logprobs and the rollout's records, aligned by (row, column).
 
-    Layout: prompts are left-padded to a common length, generated (and, in multi-turn episodes,
-    environment) tokens follow in lockstep columns; `attention_mask` marks real tokens.
+    Layout: `attention_mask` marks real tokens and positions count them, so padding may sit anywhere.
+    The reference Engine left-pads prompts to a common length and continues in lockstep columns; the
+    GraphEngine writes each row compactly from column 0 and right-pads.
     `logprobs[b, c]` is log softmax(logits / T) of token `tokens[b, c]` given columns < c, under
     the policy the engine ran (FP4 for FP4 recipes); zero where no token was sampled.
     `policy_mask` marks the tokens the policy generated (the only ones that enter the loss);

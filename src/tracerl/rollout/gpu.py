@@ -132,7 +132,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, 
     """Sample one token per row of logits (B, V) into tokens (B,) int64 and logprobs (B,) float32.
 
     temperature 0 is greedy. The tempered distribution is the engine's (rollout/sampling.py);
-    the random stream is Triton's Philox keyed by `seed` (int32 (1,) on the device) and the row.
+    the random stream is Triton's Philox keyed by `seed` (int64 (1,) on the device) and the row.
     """
     B, V = logits.shape
     if B:
@@ -322,7 +322,8 @@ class GPUDecoder:
         self.tokens = torch.zeros(B, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, **i32)
         self.lens = torch.ones(B, **i32)
-        self.seed = torch.full((1,), seed, **i32)
+        # Philox key (64-bit: the sampler reads int64 as two key words), +1 per step
+        self.seed = torch.full((1,), seed, dtype=torch.long, device=dev)
         self.x = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
         self.h = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
         self.h32 = torch.zeros(B, D, dtype=torch.float32, device=dev)
@@ -341,11 +342,15 @@ class GPUDecoder:
         of each row of x when its rows are expert-sorted (the down input), for `_observe`."""
         if not self.recipe.quantizes(site):
             return x
+        self._watch(site, x)
         q = kernels.quantize(x, "nvfp4", per_row_global=True)
         self._observe(site, q, pairs)
         return q
 
     # hooks for a recording subclass (rollout/graph_engine.py); they run inside the captured step
+
+    def _watch(self, site: str, x: torch.Tensor) -> None:
+        """The input of a quantized site (FP4 quantization can hide inf/NaN in it)."""
 
     def _observe(self, site: str, q: fp4.FP4Tensor, pairs: torch.Tensor | None) -> None:
         """An activation site's quantization outcome (rows: tokens, or expert-sorted pairs)."""
@@ -398,6 +403,7 @@ class GPUDecoder:
         if self.recipe.kv:
             q = fa.qkv_post(qkv, self.pos, self.cos, self.sin, lw.qk_norm, H, Hkv, Dh, cfg.rms_norm_eps,
                             self.kv_new[0], self.kv_new[1])
+            self._watch(f"layers.{i}.attn.kv_cache", self.kv_new)
             kvq = kernels.quantize(self.kv_new, "nvfp4", per_row_global=True)
             for j, name in enumerate(("k_cache", "v_cache")):
                 self._observe(f"layers.{i}.attn.{name}", _fp4_index(kvq, j), None)

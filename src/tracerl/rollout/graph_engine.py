@@ -71,6 +71,7 @@ class RecordingDecoder(GPUDecoder):
         self.row_base = torch.arange(B, device=dev) * T
         self.flat = torch.zeros(B, dtype=torch.long, device=dev)  # slot * T + pos, this step
         self.calls = 0  # generate() calls served: a batch can be continued until the next one
+        self.prompt_index = torch.arange(B, device=dev)  # GRPO group of each slot, set by generate()
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (self.tokens, self.pos, self.seed, self.seq, self.mask, self.policy_mask, self.logp, self.i_forced,
@@ -100,6 +101,11 @@ class RecordingDecoder(GPUDecoder):
         K = self.cfg.top_k
         p = pairs.long()
         self.recorder.observe_at(site, q, self.flat[p // K] * K + p % K, rest=(K,))
+
+    def _watch(self, site: str, x: torch.Tensor) -> None:
+        # on the device, read at the next poll: quantization can turn inf/NaN into finite codes, so
+        # the logits alone may look fine (as the reference engine's FiniteWatch)
+        self.bad |= (~torch.isfinite(x)).any().reshape(1)
 
     def _observe_routing(self, layer: int, ids: torch.Tensor) -> None:
         self.routing[layer].index_copy_(0, self.flat, ids)
@@ -132,6 +138,19 @@ class RecordingDecoder(GPUDecoder):
         self.pos.add_(act.int())
         self.active &= ~done
         self.seed.add_(1)
+
+
+def philox_key(seed: int) -> int:
+    """The sampler's 64-bit Philox key at a call's first step: a 31-bit mix of the seed (splitmix64)
+    in the high word, the step (+1 per decode step) in the low word.
+
+    With the seed itself as the key, calls with nearby seeds would share keys a few steps apart
+    (collect passes seed + turn to each turn of an episode) and a later turn would re-draw an
+    earlier turn's noise. Two calls now share a key only if their seeds' mixes are equal."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((z ^ (z >> 31)) & 0x7FFFFFFF) << 32
 
 
 def _put(buf: torch.Tensor, flat: torch.Tensor, val: torch.Tensor, where: torch.Tensor) -> None:
@@ -238,9 +257,8 @@ class GraphEngine:
         dec.mask[:, 0] = True
         dec.pos.zero_()
         self._start(dec, torch.ones(B, dtype=torch.bool), params, seed)
-        batch = self._finish(dec, t0)
-        batch.prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
-        return batch
+        dec.prompt_index = torch.arange(len(prompts), device=self.device).repeat_interleave(params.n)
+        return self._finish(dec, t0)
 
     @torch.no_grad()
     def continue_(self, batch: RolloutBatch, appended: list[list[int] | None], params: SamplingParams | None = None,
@@ -346,15 +364,16 @@ class GraphEngine:
         dec.budget.fill_(params.max_new_tokens)
         stop = list(params.stop) + [-1] * (MAX_STOP - len(params.stop))
         dec.stop.copy_(torch.tensor(stop))
-        dec.seed.fill_(seed)
+        dec.seed.fill_(philox_key(seed))
         while True:
             for _ in range(self.check_every):
                 dec.step()
             running, bad = torch.cat([dec.active.any().reshape(1), dec.bad]).tolist()
             if bad:
                 raise ValueError(
-                    "rollout: the logits became non-finite (inf/NaN); no tokens are returned. Check the model "
-                    "weights / checkpoint for NaN or inf (e.g. after a diverged training step)")
+                    "rollout: activations or logits became non-finite (inf/NaN); no tokens are returned. Check "
+                    "the model weights / checkpoint for NaN or inf (e.g. after a diverged training step) and that "
+                    "activations fit bfloat16")
             if not running:
                 break
         # a slot that stopped in the last step has not fed its last token yet (finished slots
@@ -370,7 +389,7 @@ class GraphEngine:
         batch = RolloutBatch(
             tokens=dec.seq[:, :length].clone(), attention_mask=valid.clone(),
             prompt_mask=dec.prompt_mask[:, :length].clone(), policy_mask=dec.policy_mask[:, :length].clone(),
-            logprobs=dec.logp[:, :length].clone(), prompt_index=torch.arange(dec.B, device=self.device),
+            logprobs=dec.logp[:, :length].clone(), prompt_index=dec.prompt_index.clone(),
             routing=RoutingRecord(ids, self.config.moe_layers, self.config.num_experts),
             guidance=records, reference=reference, guidance_bytes_per_token=bpt, finished=dec.finished.clone(),
             _state=_GraphState(dec, dec.calls),
