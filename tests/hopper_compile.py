@@ -180,7 +180,7 @@ def compile_variants(log: list, regs: bool = False) -> None:
                             torch.empty_like(xs))
             logits = torch.randn(B, 300, generator=g)
             for temp in (0.0, 0.7):
-                gpu.sample_tokens(logits, temp, torch.zeros(1, dtype=torch.int32), torch.empty(B, dtype=torch.long),
+                gpu.sample_tokens(logits, temp, torch.zeros(1, dtype=torch.long), torch.empty(B, dtype=torch.long),
                                   torch.empty(B))
 
             a = torch.randn(8, 256, generator=g)

@@ -192,7 +192,7 @@ def check_norm_and_sample(dev: str, B=4, D=96, V=300):
     logits = torch.randn(B, V, generator=g).to(dev)
     tok = torch.empty(B, dtype=torch.long, device=dev)
     lp = torch.empty(B, device=dev)
-    seed = torch.zeros(1, dtype=torch.int32, device=dev)
+    seed = torch.zeros(1, dtype=torch.long, device=dev)
     gpu.sample_tokens(logits, 0.0, seed, tok, lp)
     ls = torch.log_softmax(logits, -1)
     assert torch.equal(tok, logits.argmax(-1))
