@@ -12,13 +12,12 @@ as tests/test_gpu_kernels.py does).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from test_gpu_kernels import _run_interpreter  # noqa: E402 (tests/ is on sys.path)
 from tracerl import qat
 from tracerl.guidance import CachePolicy
 from tracerl.rollout import SamplingParams, make_engine
@@ -185,13 +184,6 @@ def test_engine_setting_keeps_reference_config_hashes():
     ref = config_from_dict({}, ["rollout.engine=reference"])
     graph = config_from_dict({}, ["rollout.engine=graph"])
     assert config_hash(base) == config_hash(ref) != config_hash(graph)
-
-
-def _run_interpreter(code: str) -> subprocess.CompletedProcess:
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="needs triton and no CUDA (the interpreter runs on CPU)")

@@ -32,6 +32,28 @@ from tracerl.rollout.recorder import FiniteWatch, RolloutQuant, SiteRecorder
 from tracerl.rollout.sampling import SamplingParams, sample
 
 
+def check_prompts(prompts: list[list[int]], params: SamplingParams, vocab_size: int, max_len: int) -> None:
+    """Raise ValueError for no prompts, an empty one, ids outside the vocabulary, or no room for the response."""
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        check_ids(p, f"prompt {i}", vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest + params.max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the context "
+            f"({max_len}); shorten the prompt or max_new_tokens, or raise max_len"
+        )
+
+
+def check_ids(ids: list[int], what: str, vocab_size: int) -> None:
+    """Raise ValueError if a token id lies outside [0, vocab_size)."""
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"{what} has token ids outside [0, {vocab_size})")
+
+
 @dataclass
 class _GenState:
     tokens: torch.Tensor  # (B, max_len)
@@ -102,7 +124,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, *, seed: int = 0) -> RolloutBatch:
         """Sample `params.n` completions per prompt; returns a RolloutBatch of len(prompts) * n rows."""
         params = params or SamplingParams()
-        self._check_prompts(prompts, params)
+        check_prompts(prompts, params, self.config.vocab_size, self.max_len)
         t0 = time.perf_counter()
         n_prompts, n = len(prompts), params.n
         p_len = max(len(p) for p in prompts)
@@ -142,32 +164,13 @@ class Engine:
             raise ValueError(f"continuing needs {st.cur + need} columns, the engine's max_len is {self.max_len}")
         for i, a in enumerate(appended):
             if a:
-                self._check_ids(a, f"appended[{i}]")
+                check_ids(a, f"appended[{i}]", self.config.vocab_size)
         st.finished &= ~live
         self._feed(st, appended)
         self._decode(st, live, params, torch.Generator(device=self.device).manual_seed(seed))
         return self._finish(st, t0)
 
     # ------------------------------------------------------------------ internals
-
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-            self._check_ids(p, f"prompt {i}")
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the context "
-                f"({self.max_len}); shorten the prompt or max_new_tokens, or raise max_len"
-            )
-
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"{what} has token ids outside [0, {vocab})")
 
     def _new_state(self, n_rows: int, p_len: int, prompts: list[list[int]]) -> _GenState:
         cfg, dev, L = self.config, self.device, self.max_len

@@ -37,6 +37,7 @@ from tracerl.guidance import CachePolicy
 from tracerl.model import RoutingRecord
 from tracerl.qat import Recipe
 from tracerl.rollout.batch import RolloutBatch
+from tracerl.rollout.engine import check_ids, check_prompts
 from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, LayerWeights
 from tracerl.rollout.recorder import SiteRecorder
 from tracerl.rollout.sampling import SamplingParams
@@ -226,18 +227,7 @@ class GraphEngine:
         """Sample `params.n` completions per prompt; returns a RolloutBatch of len(prompts) * n rows."""
         params = params or SamplingParams()
         self._check_params(params)
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-            self._check_ids(p, f"prompt {i}")
-        longest = max(len(p) for p in prompts)
-        if longest + params.max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds the context "
-                f"({self.max_len}); shorten the prompt or max_new_tokens, or raise max_len"
-            )
+        check_prompts(prompts, params, self.config.vocab_size, self.max_len)
         t0 = time.perf_counter()
         rows = [p for p in prompts for _ in range(params.n)]
         dec = self._decoder_for(len(rows), params.temperature)
@@ -291,7 +281,7 @@ class GraphEngine:
             if a is None:
                 continue
             if a:
-                self._check_ids(a, f"appended[{i}]")
+                check_ids(a, f"appended[{i}]", self.config.vocab_size)
             need = pos[i] + 1 + len(a) + params.max_new_tokens
             if need > dec.max_len:
                 raise ValueError(f"continuing sequence {i} needs {need} columns, the engine's max_len is {dec.max_len}")
@@ -331,11 +321,6 @@ class GraphEngine:
                              "use rollout.engine: reference for truncated sampling")
         if len(params.stop) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop tokens, got {len(params.stop)}")
-
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"{what} has token ids outside [0, {vocab})")
 
     def _decoder_for(self, n_rows: int, temperature: float) -> RecordingDecoder:
         """The decoder of this batch size and temperature, kept with its graph (the latest KEEP of them)."""
