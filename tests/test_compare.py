@@ -358,6 +358,19 @@ def test_report_renders_the_gpu_benchmark_from_its_json():
     assert "| bf16 | 8192 | 256 | does not fit |" in text and "vs peer: 5.65x" in text and "(4000 GB/s)" in text
 
 
+def test_report_renders_the_engine_benchmark_from_its_json():
+    from tracerl.compare_report import _engine_bench_lines
+    bench = {"preset": "small", "prompts": 16, "samples": 8, "prompt_len": 32, "new_tokens": 128, "device": "H200",
+             "rows": [{"engine": "reference", "recipe": "w4a4kv4", "recording": "none", "s": 8.2099,
+                       "tok_per_s": 1995.6, "x_reference": None, "recording_overhead": None},
+                      {"engine": "graph", "recipe": "w4a4kv4", "recording": "trace", "s": 0.3406,
+                       "tok_per_s": 48103.4, "x_reference": 23.665, "recording_overhead": 0.1804}]}
+    text = "\n".join(_engine_bench_lines(bench))
+    assert "| reference | w4a4kv4 | none | 8.210 | 1996 | - | - |" in text
+    assert "| graph | w4a4kv4 | trace | 0.341 | 48103 | 23.7 | +18% |" in text
+    assert "16 prompts x 8 samples, prompt 32, 128 new tokens" in text
+
+
 def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, tmp_path):
     out = tmp_path / "reports"
     text = MICRO.replace("task: {eval_prompts: 4}", "task: {eval_prompts: 4}\n  run: {eval_every: 0}")

@@ -507,12 +507,31 @@ def write_report(results_path: str | Path) -> Path:
         def cell(v):
             return _f(v, True) if isinstance(v, float) else "not judged" if v is None else str(v)
         L.append(f"- {names[k]}: " + "; ".join(", ".join(cell(v) for v in r) for r in cl[k]["rows"]))
+    if "engine_bench" in results:
+        L += _engine_bench_lines(results["engine_bench"])
     if "gpu_bench" in results:
         L += _gpu_bench_lines(results["gpu_bench"])
     L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     path = out / "report.md"
     path.write_text("\n".join(_separate_tables(L)) + "\n")
     return path
+
+
+def _engine_bench_lines(bench: dict) -> list[str]:
+    """The RL rollout benchmark (bench/engine_rollout.py JSON): both engines, recipes and recording's cost."""
+    L = ["", "## RL rollout speed and recording cost (bench/results/engine_rollout_h200.json, "
+         "`bench/engine_rollout.py`)", "",
+         f"One RL step's rollout on one {bench.get('device', 'GPU')}: `{bench.get('preset', '?')}` preset (random "
+         f"weights), {bench.get('prompts', '?')} prompts x {bench.get('samples', '?')} samples, prompt "
+         f"{bench.get('prompt_len', '?')}, {bench.get('new_tokens', '?')} new tokens. Recording `trace` is the default "
+         "CachePolicy (deepest half, lsb + scales); `full` is all layers, codes, plus the diagnostics the suite records.",
+         "", "| engine | recipe | recording | s per rollout | tok/s | x reference engine | recording overhead |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in bench.get("rows", []):
+        x, o = r.get("x_reference"), r.get("recording_overhead")
+        L.append(f"| {r['engine']} | {r['recipe']} | {r['recording']} | {r['s']:.3f} | {r['tok_per_s']:.0f} | "
+                 f"{'-' if x is None else f'{x:.1f}'} | {'-' if o is None else f'{o:+.0%}'} |")
+    return L
 
 
 def _gpu_bench_lines(bench: dict) -> list[str]:
