@@ -12,6 +12,9 @@ warm-up call, which also captures the graph), generated tokens/s, the graph engi
 the reference engine at the same setting, and recording's overhead over the same engine without
 recording. Recording settings: `none`; `trace` (the default CachePolicy: deepest half, lsb + scales);
 `full` (all layers, codes, plus diagnostics: every quantized site's codes, as the suite records).
+Engine `graph-copy` is the graph engine with `graph_engine.FUSED_RECORDING = False` (records
+copied by index_copy_ after each quantize instead of stored by the quantize kernel), the A/B of
+the in-kernel recording; its overhead is over the graph engine without recording.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--recipes", default="bf16,w4a4kv4")
     ap.add_argument("--recording", default="none,trace,full")
-    ap.add_argument("--engines", default="reference,graph")
+    ap.add_argument("--engines", default="reference,graph,graph-copy")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="engine_rollout.json")
     args = ap.parse_args(argv)
 
+    if "graph" in args.engines:
+        from tracerl.rollout import graph_engine  # needs triton: imported only when the graph engine runs
     model = M.build(args.preset, seed=0).to(args.device)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, model.config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
@@ -86,12 +91,20 @@ def main(argv: list[str] | None = None) -> int:
             if not recipe.acts and rec != "none":
                 continue  # nothing to record without FP4 activations
             for kind in args.engines.split(","):
-                eng = make_engine(kind, model, recipe, policy, dtype=torch.bfloat16, device=args.device,
-                                  diagnostics=diagnostics, max_len=args.prompt_len + args.new_tokens + 8)
-                s = time_rollout(eng, prompts, params, args.repeats)
+                if kind == "graph-copy" and rec == "none":
+                    continue  # the graph engine itself: nothing is recorded
+                eng = make_engine("graph" if kind == "graph-copy" else kind, model, recipe, policy,
+                                  dtype=torch.bfloat16, device=args.device, diagnostics=diagnostics,
+                                  max_len=args.prompt_len + args.new_tokens + 8)
+                graph_engine.FUSED_RECORDING = kind != "graph-copy"  # read when the step is captured
+                try:
+                    s = time_rollout(eng, prompts, params, args.repeats)
+                finally:
+                    graph_engine.FUSED_RECORDING = True
                 row = {"engine": kind, "recipe": recipe_name, "recording": rec, "s": s, "tok_per_s": n_tokens / s}
                 ref = next((r for r in rows if (r["engine"], r["recipe"], r["recording"]) == ("reference", recipe_name, rec)), None)
-                base = next((r for r in rows if (r["engine"], r["recipe"], r["recording"]) == (kind, recipe_name, "none")), None)
+                plain = "graph" if kind == "graph-copy" else kind
+                base = next((r for r in rows if (r["engine"], r["recipe"], r["recording"]) == (plain, recipe_name, "none")), None)
                 row["x_reference"] = ref["s"] / s if ref and kind != "reference" else None
                 row["recording_overhead"] = s / base["s"] - 1 if base and rec != "none" else None
                 rows.append(row)

@@ -193,6 +193,13 @@ def compile_variants(log: list, regs: bool = False) -> None:
                 guide = fp4.RoundingGuide(bit=rec, scales=qr.scales, global_scale=qr.global_scale)
                 fp4_quant.quantize(a.to(dt), "nvfp4", "guided", guide=guide)
                 fp4_quant.dequantize(qr, dt)
+            # the graph engine's recording: a second store at each row's record row (with and
+            # without a source index: token / KV rows and expert-sorted pairs)
+            from tracerl.kernels.record_sink import RecordSink
+            for src in (None, torch.arange(8, dtype=torch.int32)):
+                sink = RecordSink(torch.empty(64, 128, dtype=torch.uint8), torch.empty(64, 16, dtype=torch.uint8),
+                                  torch.empty(64), torch.zeros(4, dtype=torch.long), src=src, group=2)
+                fp4_quant.quantize(a.to(torch.bfloat16), "nvfp4", per_row_global=True, sink=sink)
             # the probes as test_kernels.check_probes calls them: these decode integer inputs
             int_in = {"e2m1_magnitude", "e2m1_decode_bytes", "e4m3_value", "mx_mult", "mx_inv_mult"}
             for what in fp4_numerics.PROBES:

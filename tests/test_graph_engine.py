@@ -215,6 +215,16 @@ def test_graph_engine_gpu(check_every):
 
 @gpu
 @pytest.mark.gpu
+def test_graph_engine_copy_recording_gpu(monkeypatch):
+    """The index_copy_ recording path (FUSED_RECORDING off, kept for A/B timing) records the same."""
+    from tracerl.rollout import graph_engine
+
+    monkeypatch.setattr(graph_engine, "FUSED_RECORDING", False)
+    check_generate("cuda", full=False)
+
+
+@gpu
+@pytest.mark.gpu
 def test_graph_engine_multi_turn_gpu():
     check_multi_turn("cuda")
     check_turn_noise("cuda")

@@ -36,10 +36,11 @@ import torch
 
 from tracerl import fp4
 from tracerl.kernels import reference
+from tracerl.kernels.record_sink import RecordSink
 from tracerl.kernels.reference import pack_bits, unpack_bits
 
 __all__ = ["quantize", "dequantize", "quantize_record", "set_backend", "backend", "triton_available",
-           "pack_bits", "unpack_bits"]
+           "pack_bits", "unpack_bits", "RecordSink"]
 
 _BACKENDS = ("auto", "triton", "reference")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,18 +123,24 @@ def quantize(
     generator: torch.Generator | None = None,
     mx_rule: str = "even",
     check_finite: bool = False,
+    sink: RecordSink | None = None,
 ) -> fp4.FP4Tensor:
-    """`fp4.quantize` (same arguments and result, bit for bit) on the selected backend."""
+    """`fp4.quantize` (same arguments and result, bit for bit) on the selected backend; with `sink`,
+    the result's rows are also stored at their record rows (in the same pass on Triton)."""
     guide = _as_guide(guide)
     ok = x.dtype in _TRITON_DTYPES and rounding != "stochastic" and mx_rule == "even"
     if _use_triton(x, supported=ok):
         if check_finite:
             _check_finite(x)
         q, _ = _triton_mod.quantize(x, fmt, rounding, global_scale=global_scale,
-                                    per_row_global=per_row_global, guide=guide)
+                                    per_row_global=per_row_global, guide=guide, sink=sink)
         return q
-    return reference.quantize(x, fmt, rounding, global_scale=global_scale, per_row_global=per_row_global,
-                              guide=guide, generator=generator, mx_rule=mx_rule)
+    q = reference.quantize(x, fmt, rounding, global_scale=global_scale, per_row_global=per_row_global,
+                           guide=guide, generator=generator, mx_rule=mx_rule)
+    if sink is not None:
+        sink.check(x[..., :1].numel(), x.shape[-1], fp4.format_spec(fmt))
+        sink.write(q)
+    return q
 
 
 def quantize_record(

@@ -45,6 +45,7 @@ from tracerl.kernels.fp4_numerics import (
     _tiny_nonzero,
     probe,  # noqa: F401  (tests reach the numerics through this module)
 )
+from tracerl.kernels.record_sink import NO_PLANES, RecordSink
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPE_CODE = DTYPE_CODE
@@ -125,15 +126,32 @@ def _load_guide(ptr, rows, c0, stride, M, K, P: tl.constexpr, NB: tl.constexpr, 
 
 
 @triton.jit
+def _sink_rows(rows, M, src_ptr, flat_ptr, G, PR, PS, SRC: tl.constexpr):
+    """Record row of each x row (int64): s = src[row] (SRC) or the row itself, then
+    (s // PR) * PS + flat[(s % PR) // G] * G + s % PR % G, as `RecordSink.dest_rows`."""
+    live = rows < M
+    if SRC:
+        s = tl.load(src_ptr + rows, mask=live, other=0).to(tl.int64)
+    else:
+        s = rows.to(tl.int64)
+    r = s % PR
+    f = tl.load(flat_ptr + r // G, mask=live, other=0).to(tl.int64)
+    return (s // PR) * PS + f * G + r % G
+
+
+@triton.jit
 def _quant_tile(
     x, gs, rows, c0, M, K,
     codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
     sc, ss, st, sm, sr,
+    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GUIDE_SCALES: tl.constexpr,
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
+    SINK: tl.constexpr, SINK_SRC: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
-    """Quantize one x tile (BM, NB, P, 8) with per-row global scales gs (BM,) and store its outputs."""
+    """Quantize one x tile (BM, NB, P, 8) with per-row global scales gs (BM,) and store its outputs
+    (with SINK, also codes, scales and gs at each row's record row: see `_sink_rows`)."""
     P: tl.constexpr = B // 8
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_offs = rows.to(tl.int64)[:, None] * ss + s_cols
@@ -173,6 +191,11 @@ def _quant_tile(
         v = x * _mx_inv_mult(sbyte)[:, :, None, None]  # exact: a power of two
     if not GUIDE_SCALES:
         tl.store(scales_ptr + s_offs, sbyte.to(tl.uint8), mask=s_mask)
+    if SINK:
+        d = _sink_rows(rows, M, k_src, k_flat, k_G, k_PR, k_PS, SINK_SRC)
+        tl.store(k_scales + d[:, None] * k_ss + s_cols, sbyte.to(tl.uint8), mask=s_mask)
+        if NV:
+            tl.store(k_gs + d, gs, mask=rows < M)
 
     v = v + 0.0  # -0.0 -> +0.0, so the sign bit is set exactly where v < 0
     a = tl.abs(v)
@@ -209,6 +232,9 @@ def _quant_tile(
     lo_c, hi_c = tl.split(tl.reshape(code, (BM, NB, P, 4, 2)))
     c_offs, c_mask = _offs(rows, c0, sc, M, K, P, NB, B, 2)
     tl.store(codes_ptr + c_offs, (lo_c + (hi_c << 4)).to(tl.uint8), mask=c_mask)
+    if SINK:
+        k_offs, _ = _offs(d, c0, k_sc, M, K, P, NB, B, 2)
+        tl.store(k_codes + k_offs, (lo_c + (hi_c << 4)).to(tl.uint8), mask=c_mask)
     if RECORD:
         lsb = tl.sum((idx & 1) << tl.arange(0, 8)[None, None, None, :], axis=3)
         r_offs, r_mask = _offs(rows, c0, sr, M, K, P, NB, B, 8)
@@ -238,8 +264,10 @@ def _absmax_kernel(x_ptr, amax_ptr, N, ITERS, BLOCK: tl.constexpr, IN_DTYPE: tl.
 def _quant_kernel(
     x_ptr, codes_ptr, scales_ptr, gs_ptr, gs_out_ptr, tgt_ptr, mask_ptr, rec_ptr,
     M, K, sx, sc, ss, sg, st, sm, sr,
+    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GS: tl.constexpr, GUIDE_SCALES: tl.constexpr,
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
+    SINK: tl.constexpr, SINK_SRC: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == GS_ROW (M/BM,) and a loop over K."""
@@ -257,7 +285,8 @@ def _quant_kernel(
         for c0 in range(0, K, BK):
             x = _load_x(x_ptr, rows, c0, sx, M, K, P, NB, B, IN_DTYPE)
             _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
-                        sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
+                        sc, ss, st, sm, sr, k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
+                    IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, BM, NB, B)
     else:
         pid_k = tl.program_id(1)
         c0 = pid_k * BK
@@ -273,7 +302,8 @@ def _quant_kernel(
         else:
             gs = tl.full((BM,), 1.0, tl.float32)
         _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
-                    sc, ss, st, sm, sr, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, BM, NB, B)
+                    sc, ss, st, sm, sr, k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
+                    IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, BM, NB, B)
 
 
 @triton.jit(do_not_specialize=["M", "sg"])
@@ -374,13 +404,15 @@ def quantize(
     record: str | None = None,
     record_out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    sink: RecordSink | None = None,
 ) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
     """Triton FP4 quantize of x (bf16/fp16/fp32, blocks along the last dim) -> (FP4Tensor, record).
 
     Semantics are those of `fp4.quantize` (mx_rule 'even'). `record` = None | 'codes' | 'lsb':
     'codes' returns the packed codes as the record, 'lsb' also writes one bit per element (bit i of
     byte j = lsb of element 8j+i's magnitude index, (..., K//8) uint8) into `record_out` or a new
-    tensor. `config` = (BM, BK, num_warps) overrides the tile heuristic (benchmarks).
+    tensor. `config` = (BM, BK, num_warps) overrides the tile heuristic (benchmarks). `sink`: also
+    store each row's codes, scales and global scale at its record row (kernels/record_sink.py).
     See tracerl.kernels for the accepted guide forms.
     """
     spec = fp4.format_spec(fmt)
@@ -477,14 +509,22 @@ def quantize(
             rec = torch.empty(M, K // 8, dtype=torch.uint8, device=dev)
         sr = rec.stride(0)
 
+    k_args = (dummy, dummy, dummy, dummy, dummy, 0, 0, 1, NO_PLANES, 0)
+    if sink is not None:
+        sink.check(M, K, spec)
+        k_args = (sink.codes, sink.scales, dummy if sink.gscale is None else sink.gscale,
+                  dummy if sink.src is None else sink.src, sink.flat, sink.codes.stride(0), sink.scales.stride(0),
+                  sink.group, sink.plane_rows, sink.plane_stride)
+
     bm, bk, nw = _tile(M, K, B, config, gs_mode == GS_ROW)
     grid = (triton.cdiv(M, bm),) if gs_mode == GS_ROW else (triton.cdiv(M, bm), triton.cdiv(K, bk))
     if M > 0:
         _quant_kernel[grid](
             xk, codes, scales, gs_in, gs_out, tgt, msk, rec,
-            M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr,
+            M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr, *k_args,
             IN_DTYPE=in_code, NV=spec.has_global_scale, GS=gs_mode, GUIDE_SCALES=guide_scales,
             ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
+            SINK=sink is not None, SINK_SRC=sink is not None and sink.src is not None,
             BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
         )
     q = fp4.FP4Tensor(codes=codes.reshape(*lead, K // 2), scales=scales_ret, global_scale=gs_ret,

@@ -47,6 +47,7 @@ from tracerl import fp4, kernels, qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
 from tracerl.kernels.fp4_gemm import _bf16
+from tracerl.kernels.record_sink import RecordSink
 from tracerl.model.config import ModelConfig
 from tracerl.model.layers import rope_cos_sin
 from tracerl.rollout.kvcache import DenseKVCache, FP4KVCache
@@ -343,8 +344,10 @@ class GPUDecoder:
         if not self.recipe.quantizes(site):
             return x
         self._watch(site, x)
-        q = kernels.quantize(x, "nvfp4", per_row_global=True)
-        self._observe(site, q, pairs)
+        sink = self._sink(site, x, pairs)
+        q = kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink)
+        if sink is None:
+            self._observe(site, q, pairs)
         return q
 
     # hooks for a recording subclass (rollout/graph_engine.py); they run inside the captured step
@@ -354,6 +357,14 @@ class GPUDecoder:
 
     def _observe(self, site: str, q: fp4.FP4Tensor, pairs: torch.Tensor | None) -> None:
         """An activation site's quantization outcome (rows: tokens, or expert-sorted pairs)."""
+
+    def _sink(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None) -> RecordSink | None:
+        """Where the quantize of `site` also stores its outcome in-pass (then `_observe` is skipped)."""
+        return None
+
+    def _kv_sink(self, layer: int, kv: torch.Tensor) -> RecordSink | None:
+        """As `_sink`, for the (k|v, slot, kv head) rows of a layer's new K/V."""
+        return None
 
     def _observe_routing(self, layer: int, ids: torch.Tensor) -> None:
         """A layer's top-k expert ids (B, K)."""
@@ -404,9 +415,11 @@ class GPUDecoder:
             q = fa.qkv_post(qkv, self.pos, self.cos, self.sin, lw.qk_norm, H, Hkv, Dh, cfg.rms_norm_eps,
                             self.kv_new[0], self.kv_new[1])
             self._watch(f"layers.{i}.attn.kv_cache", self.kv_new)
-            kvq = kernels.quantize(self.kv_new, "nvfp4", per_row_global=True)
-            for j, name in enumerate(("k_cache", "v_cache")):
-                self._observe(f"layers.{i}.attn.{name}", _fp4_index(kvq, j), None)
+            sink = self._kv_sink(i, self.kv_new)
+            kvq = kernels.quantize(self.kv_new, "nvfp4", per_row_global=True, sink=sink)
+            if sink is None:
+                for j, name in enumerate(("k_cache", "v_cache")):
+                    self._observe(f"layers.{i}.attn.{name}", _fp4_index(kvq, j), None)
             fa.kv_store_fp4(kvq, self.pos, c.codes[:, i], c.scales[:, i], c.gscale[:, i])
             o = fa.decode_attention(q, self.lens, k_fp4=(c.codes[0, i], c.scales[0, i], c.gscale[0, i]),
                                     v_fp4=(c.codes[1, i], c.scales[1, i], c.gscale[1, i]), split_len=self.split_len)

@@ -14,8 +14,9 @@ kept packed, one CUDA graph per decode step) and records what TRACE needs inside
 - sampling, stop tokens, per-slot budgets, finished slots (which stop advancing) and the
   inf/NaN watch all run on the device; the host reads one flag copy every `check_every` steps;
 - routing (top-k ids per layer) and each recorded site's FP4 codes, block scales and row global
-  scales are written at (slot, column) by index_copy_ inside the graph, into a `SiteRecorder`
-  whose `finalize` builds the same GuidanceRecords as the reference engine's.
+  scales are written at (slot, column) inside the graph, into a `SiteRecorder` whose `finalize`
+  builds the same GuidanceRecords as the reference engine's; the sites' quantize kernels store
+  them in the same pass (a `RecordSink`: no launch of its own), routing by one index_copy_.
 
 Numerics are GPUDecoder's (not bit-identical with the reference engine; see rollout/gpu.py), which is
 what a production rollout engine is to its trainer: the records make the trainer follow it.
@@ -34,6 +35,7 @@ import torch
 
 from tracerl import fp4
 from tracerl.guidance import CachePolicy
+from tracerl.kernels.record_sink import RecordSink
 from tracerl.model import RoutingRecord
 from tracerl.qat import Recipe
 from tracerl.rollout.batch import RolloutBatch
@@ -42,8 +44,21 @@ from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, LayerWeights
 from tracerl.rollout.recorder import SiteRecorder
 from tracerl.rollout.sampling import SamplingParams
 
+# recorded sites are written by their quantize kernel (kernels/record_sink.py); False: by
+# index_copy_ after it (the earlier path, kept for A/B timing in bench/engine_rollout.py)
+FUSED_RECORDING = True
 MAX_STOP = 16  # stop token ids held in the step's static buffer
 KEEP_DECODERS = 2  # decoders (KV cache, records, graph) kept per engine: RL samples, then evaluates greedily
+
+
+def _sink_of(st, flat: torch.Tensor, planes: int = 1, **kw) -> RecordSink:
+    """A RecordSink over a stage's buffers as rows (`planes` stages laid end to end from `st`)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * planes
+        return t.as_strided((n // t.shape[-1], t.shape[-1]), (t.shape[-1], 1))
+
+    return RecordSink(rows(st.codes), rows(st.scales), None if st.gscale is None else rows(st.gscale).view(-1),
+                      flat, **kw)
 
 
 class RecordingDecoder(GPUDecoder):
@@ -102,6 +117,26 @@ class RecordingDecoder(GPUDecoder):
         K = self.cfg.top_k
         p = pairs.long()
         self.recorder.observe_at(site, q, self.flat[p // K] * K + p % K, rest=(K,))
+
+    def _sink(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None) -> RecordSink | None:
+        if not FUSED_RECORDING or not self.recorder.wants(site):
+            return None
+        K = x.shape[-1]
+        if pairs is None:  # token rows: (slot, column)
+            return _sink_of(self.recorder.stage(site, K, (), x.device), self.flat)
+        k = self.cfg.top_k  # expert-sorted (token, k) pairs: (slot, column, k)
+        return _sink_of(self.recorder.stage(site, K, (k,), x.device), self.flat, src=pairs, group=k)
+
+    def _kv_sink(self, layer: int, kv: torch.Tensor) -> RecordSink | None:
+        sites = (f"layers.{layer}.attn.k_cache", f"layers.{layer}.attn.v_cache")
+        if not FUSED_RECORDING or not all(self.recorder.wants(s) for s in sites):
+            return None  # neither recorded, or only one of them: the per-site path
+        _, B, Hkv, Dh = kv.shape  # rows (k|v, slot, kv head); the two stages lie end to end
+        st, st_v = self.recorder.stage_pair(sites, Dh, (Hkv,), kv.device)
+        if st_v.codes.data_ptr() != st.codes.data_ptr() + st.codes.numel():
+            raise RuntimeError(f"{sites}: the K and V stages are not one buffer (stage them with stage_pair)")
+        return _sink_of(st, self.flat, group=Hkv, plane_rows=B * Hkv, plane_stride=st.codes.numel() // (Dh // 2),
+                        planes=2)
 
     def _watch(self, site: str, x: torch.Tensor) -> None:
         # on the device, read at the next poll: quantization can turn inf/NaN into finite codes, so

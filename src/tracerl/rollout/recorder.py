@@ -92,25 +92,54 @@ class SiteRecorder:
         """
         if not self.wants(site):
             return
-        if self.needs_scaled(site):
-            raise ValueError(f"{site}: the `ties` encoding is not recorded by the graph engine; use lsb or codes")
-        st = self.stages.get(site)
-        k = q.shape[-1]
-        inner = tuple(q.codes.shape[1:-1])  # per-row dims of q between its rows and the packed codes
-        if st is None:
-            lead = (self.n_slots, self.max_len, *rest, *inner)
-            dev = q.codes.device
-            st = _Stage(
-                codes=torch.zeros(*lead, k // 2, dtype=torch.uint8, device=dev),
-                scales=torch.zeros(*lead, q.scales.shape[-1], dtype=torch.uint8, device=dev),
-                gscale=torch.ones(*lead, 1, device=dev) if q.global_scale is not None else None,
-                near=None, k=k,
-            )
-            self.stages[site] = st
+        # per-row dims of q between its rows and the packed codes (e.g. KV heads)
+        st = self.stage(site, q.shape[-1], (*rest, *q.codes.shape[1:-1]), q.codes.device)
         st.codes.view(-1, *q.codes.shape[1:]).index_copy_(0, flat, q.codes)
         st.scales.view(-1, *q.scales.shape[1:]).index_copy_(0, flat, q.scales.view(torch.uint8))
         if st.gscale is not None:
             st.gscale.view(-1, *q.global_scale.shape[1:]).index_copy_(0, flat, q.global_scale)
+
+    def stage(self, site: str, k: int, rest: tuple[int, ...], device: torch.device) -> _Stage:
+        """The (slots, max_len, *rest) staging buffers of `site` (rows of k elements), made on first use.
+
+        For the graph engine, whose captured step writes into them (`observe_at`, or a quantize
+        kernel's RecordSink): they are allocated once and only cleared in place afterwards."""
+        self._check_recordable(site)
+        st = self.stages.get(site)
+        if st is None:
+            st = self._new_stages([site], k, rest, device)[0]
+        return st
+
+    def stage_pair(self, sites: tuple[str, str], k: int, rest: tuple[int, ...], device: torch.device
+                   ) -> tuple[_Stage, _Stage]:
+        """Stages of two sites laid end to end in one buffer (the K and V cache of a layer, written
+        by one quantize of their stacked rows)."""
+        for site in sites:
+            self._check_recordable(site)
+        have = [self.stages.get(site) for site in sites]
+        if all(st is not None for st in have):
+            return have[0], have[1]
+        if any(st is not None for st in have):
+            raise RuntimeError(f"{sites}: one of the pair was staged alone; stage both with stage_pair")
+        a, b = self._new_stages(list(sites), k, rest, device)
+        return a, b
+
+    def _check_recordable(self, site: str) -> None:
+        if self.needs_scaled(site):
+            raise ValueError(f"{site}: the `ties` encoding is not recorded by the graph engine; use lsb or codes")
+
+    def _new_stages(self, sites: list[str], k: int, rest: tuple[int, ...], device: torch.device) -> list[_Stage]:
+        spec = fp4.FORMATS[self.recipe.fmt]
+        lead = (len(sites), self.n_slots, self.max_len, *rest)
+        codes = torch.zeros(*lead, k // 2, dtype=torch.uint8, device=device)
+        scales = torch.zeros(*lead, k // spec.block, dtype=torch.uint8, device=device)
+        gscale = torch.ones(*lead, 1, device=device) if spec.has_global_scale else None
+        out = []
+        for j, site in enumerate(sites):
+            st = _Stage(codes=codes[j], scales=scales[j], gscale=None if gscale is None else gscale[j], near=None, k=k)
+            self.stages[site] = st
+            out.append(st)
+        return out
 
     def clear(self) -> None:
         """Zero every stage in place (the graph engine reuses its buffers across calls)."""
