@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU comparison suite on the lent GPU, resumable across calls and device sessions.
 # Run from the repo root on the device (torch + triton there; tracerl not installed):
-#     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] [ENGINE_BENCH=1] [PROBE_LRS=3e-5,1e-4] bash bench/device_compare.sh
+#     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] [ENGINE_BENCH=1] [PROBE_LRS=3e-5,1e-4]
+#       [PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace] bash bench/device_compare.sh
 # 1. CUDA tests of the engine/trainer paths (skipped if TESTS=0); with PROBE_LRS, bench/lr_probe.py
-#    (one row of PROBE_TASK, default arith, at each rate; $OUT/lr_probe.json) before the suite;
+#    (one row of PROBE_TASK, default arith, at each rate; $OUT/lr_probe.json) before the suite; with
+#    PROBE_VARY, the same for each value of another setting ($OUT/probe_vary.json);
 # 2. `tracerl compare --suite ${SUITE:-small} --time-budget $COMPARE_BUDGET` writing into reports/
 #    (cells already committed under reports/<suite>/cells are reused; weights stay in
 #    reports/<suite>/cache on the machine, so a second call while it is warm reuses them too);
@@ -31,7 +33,7 @@ trap copy_back EXIT
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py tests/test_kernels.py tests/test_graph_engine.py 2>/dev/null)
+  tests=$(ls tests/test_cuda_paths.py tests/test_engine_kernels_cuda.py tests/test_kernels.py tests/test_graph_engine.py tests/test_record_sink.py 2>/dev/null)
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest $tests -p no:cacheprovider -o addopts="" -q -rfEs \
     --durations=10 2>&1 | tee "$OUT/cuda_tests.log"
 fi
@@ -41,6 +43,11 @@ fi
 if [ -n "${PROBE_LRS:-}" ]; then  # e.g. PROBE_LRS=3e-5,1e-4: RL at each rate on one task first (bench/lr_probe.py)
   timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \
     --lrs "$PROBE_LRS" --cache "reports/$SUITE/cache" --out "$OUT/lr_probe.json" 2>&1 | tee "$OUT/lr_probe.log"
+fi
+if [ -n "${PROBE_VARY:-}" ]; then  # e.g. PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace: an RL A/B
+  timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \
+    --row "${PROBE_ROW:-bf16}" --vary "$PROBE_VARY" --work out/probe_vary --cache "reports/$SUITE/cache" \
+    --out "$OUT/probe_vary.json" 2>&1 | tee "$OUT/probe_vary.log"
 fi
 timeout "${COMPARE_TIMEOUT:-$(( ${COMPARE_BUDGET:-400} + 60 ))}" python3 -m tracerl.cli compare --suite "$SUITE" \
   --out reports --time-budget "${COMPARE_BUDGET:-400}" ${TASKS:+--tasks $TASKS} 2>&1 | tee -a "$OUT/compare.log"

@@ -8,6 +8,12 @@ reward:
 
     PYTHONPATH=src python3 bench/lr_probe.py --suite small --task arith --lrs 3e-5,1e-4 --out $OUT/lr_probe.json
 
+`--vary KEY=V1,V2` varies any other setting the same way, e.g. the rollout engine in RL (the graph
+engine's A/B against the reference engine: same warm start, same seeds, rewards and step times):
+
+    PYTHONPATH=src python3 bench/lr_probe.py --suite small --task arith --row trace \
+        --vary rollout.engine=reference,graph --out $OUT/engine_ab.json
+
 Runs go to --work (cells, checkpoints); weights and the warm start to --cache.
 """
 
@@ -23,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tracerl.experiments import Suite, _warm_state, _with, run_config, run_one  # noqa: E402
 
 
-def summary(rec: dict) -> dict:
+def summary(rec: dict, key: str = "train.lr", value: str | None = None) -> dict:
     """Start (first 3 steps) and end (last 5) sampled reward, steps that moved the policy, held-out reward."""
     h = rec["history"]
-    return {"lr": rec["config"]["train"]["lr"],
+    steps = [x for x in h if "timing/rollout_s" in x]
+    return {"lr": rec["config"]["train"]["lr"], "key": key, "value": value,
+            "rollout_s_per_step": statistics.fmean(x["timing/rollout_s"] for x in steps) if steps else None,
             "reward_first3": statistics.fmean(x["reward/mean"] for x in h[:3]),
             "reward_last5": statistics.fmean(x["reward/mean"] for x in h[-5:]),
             "steps_with_gradient": sum(x.get("train/grad_norm", 0) > 0 for x in h) / len(h),
@@ -39,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", default="arith")
     ap.add_argument("--row", default="bf16")
     ap.add_argument("--lrs", default="3e-5,1e-4")
+    ap.add_argument("--vary", default=None, help="KEY=V1,V2: vary this setting instead of the lr")
     ap.add_argument("--device", default=None, help="override run.device (default: the suite's)")
     ap.add_argument("--overrides", nargs="*", default=[], help="more config overrides, e.g. train.steps=5")
     ap.add_argument("--configs", default="configs/compare")
@@ -57,14 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     extra = [*args.overrides, *([f"run.device={args.device}"] if args.device else [])]
     base = _with(run_config(suite, args.row, args.task, suite.seeds[0], work, args.configs), extra)
     warm = _warm_state(base, cache, print)
+    if args.vary:
+        key, sep, values = args.vary.partition("=")
+        if not sep or not values:
+            raise SystemExit(f"--vary {args.vary!r}: expected KEY=V1,V2 (e.g. rollout.engine=reference,graph)")
+        variants = [(key, v) for v in values.split(",")]
+    else:
+        variants = [("train.lr", str(float(lr))) for lr in args.lrs.split(",")]
     rows = []
-    for lr in args.lrs.split(","):
-        rec = run_one(_with(base, [f"train.lr={float(lr)}"]), warm, work / "cells", cache, print)
-        rows.append(summary(rec))
+    for key, value in variants:
+        rec = run_one(_with(base, [f"{key}={value}"]), warm, work / "cells", cache, print)
+        rows.append(summary(rec, key, value))
         r = rows[-1]
-        print(f"lr {r['lr']:.1e}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
+        step = "-" if r["rollout_s_per_step"] is None else f"{r['rollout_s_per_step']:.2f}"
+        print(f"{key}={value}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
               f"{r['steps_with_gradient']:.0%} of steps with a gradient, held-out {r['heldout_reward']:.3f}, "
-              f"{r['wall_s']:.0f} s", flush=True)
+              f"rollout {step} s/step, {r['wall_s']:.0f} s", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"suite": args.suite, "task": args.task, "row": args.row,
                                           "overrides": extra, "runs": rows}, indent=1))
