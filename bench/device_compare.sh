@@ -5,7 +5,8 @@
 #       [PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace] bash bench/device_compare.sh
 # 1. CUDA tests of the engine/trainer paths (skipped if TESTS=0); with PROBE_LRS, bench/lr_probe.py
 #    (one row of PROBE_TASK, default arith, at each rate; $OUT/lr_probe.json) before the suite; with
-#    PROBE_VARY, the same for each value of another setting ($OUT/probe_vary.json);
+#    PROBE_VARY, the same for each value of another setting ($OUT/probe_vary.json); PROBE_OVERRIDES
+#    (space-separated KEY=VALUE) applies to both probes' runs, e.g. "rollout.engine=graph";
 # 2. `tracerl compare --suite ${SUITE:-small} --time-budget $COMPARE_BUDGET` writing into reports/
 #    (cells already committed under reports/<suite>/cells are reused; weights stay in
 #    reports/<suite>/cache on the machine, so a second call while it is warm reuses them too);
@@ -42,12 +43,13 @@ if [ "${ENGINE_BENCH:-0}" = 1 ]; then  # RL rollout time, reference vs graph eng
 fi
 if [ -n "${PROBE_LRS:-}" ]; then  # e.g. PROBE_LRS=3e-5,1e-4: RL at each rate on one task first (bench/lr_probe.py)
   timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \
-    --lrs "$PROBE_LRS" --cache "reports/$SUITE/cache" --out "$OUT/lr_probe.json" 2>&1 | tee "$OUT/lr_probe.log"
+    --lrs "$PROBE_LRS" --cache "reports/$SUITE/cache" --out "$OUT/lr_probe.json" \
+    ${PROBE_OVERRIDES:+--overrides $PROBE_OVERRIDES} 2>&1 | tee "$OUT/lr_probe.log"
 fi
 if [ -n "${PROBE_VARY:-}" ]; then  # e.g. PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace: an RL A/B
   timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \
     --row "${PROBE_ROW:-bf16}" --vary "$PROBE_VARY" --work out/probe_vary --cache "reports/$SUITE/cache" \
-    --out "$OUT/probe_vary.json" 2>&1 | tee "$OUT/probe_vary.log"
+    --out "$OUT/probe_vary.json" ${PROBE_OVERRIDES:+--overrides $PROBE_OVERRIDES} 2>&1 | tee "$OUT/probe_vary.log"
 fi
 timeout "${COMPARE_TIMEOUT:-$(( ${COMPARE_BUDGET:-400} + 60 ))}" python3 -m tracerl.cli compare --suite "$SUITE" \
   --out reports --time-budget "${COMPARE_BUDGET:-400}" ${TASKS:+--tasks $TASKS} 2>&1 | tee -a "$OUT/compare.log"

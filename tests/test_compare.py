@@ -345,6 +345,28 @@ def test_report_shows_the_start_reward_and_flags_rl_that_lowered_it_everywhere(t
     assert not task_saturated(res, "maze")
 
 
+def test_report_flags_a_task_whose_first_rl_updates_broke_every_row(tmp_path):
+    from tracerl.compare_report import rl_collapsed
+
+    def run(rewards):
+        return {"name": "x", "hash": "h", "wall_s": 1.0, "final_eval": {"eval/reward": 0.5, "eval/acc": 0.5},
+                "history": [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]}
+    # maze rows fall below half their step 0 within 5 steps (0.25 < 0.375, 0.3 < 0.4); arith's bf16 does
+    # not (0.45 >= 0.9 / 2), so arith is not flagged although its trace row fell
+    res = {"suite": "x", "tasks": ["arith", "maze"], "seeds": [0], "rows": ["bf16", "trace"], "deploy_recipe": "w4a4kv4",
+           "runs": {"bf16/maze/0": run([0.75, 0.25, 0.3, 0.5, 0.6, 0.7, 0.7]),
+                    "trace/maze/0": run([0.8, 0.5, 0.6, 0.6, 0.6, 0.3, 0.2]),
+                    "bf16/arith/0": run([0.9, 0.45, 0.8, 0.9]), "trace/arith/0": run([0.9, 0.2, 0.8, 0.9])},
+           "ptq": {}, "study": {}, "complete": True, "missing": []}
+    assert rl_collapsed(res, "maze") == (0.75, 0.8, 0.25, 0.3)
+    assert rl_collapsed(res, "arith") is None
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    report = write_report(tmp_path / "results.json").read_text()
+    assert ("**maze: the first RL updates broke every row**: the sampled reward fell from 0.750-0.800 at step 0 "
+            "(the warm-started policy) to 0.250-0.300") in report
+    assert "**arith: the first RL updates" not in report
+
+
 def test_report_renders_the_gpu_benchmark_from_its_json():
     from tracerl.compare_report import _gpu_bench_lines
     bench = {"env": {"gpu": "H200", "model": "m", "layers": 2, "copy_GBps": 4000.0},

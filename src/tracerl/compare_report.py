@@ -59,6 +59,23 @@ def rl_lowered_reward(results: dict, task: str, margin: float = 0.05) -> bool:
     return bool(recs) and all(_final_train_reward(r) < _first_train_reward(r) - margin for r in recs)
 
 
+def rl_collapsed(results: dict, task: str, within: int = 5, keep: float = 0.5) -> tuple[float, float, float, float] | None:
+    """If the first RL updates broke every trained row of `task`, the (min, max) of their step-0
+    rewards and of their worst rewards over steps 1..within; else None.
+
+    Step 0 is sampled from the warm-started policy itself; "broke" = some step among the next
+    `within` samples less than `keep` of the step-0 reward. The rows then compare recoveries
+    from that fall, not RL from the warm start (a step size too large for the task)."""
+    recs = [r for r in _task_runs(results, task) if len(r["history"]) > 1]
+    if not recs:
+        return None
+    start = [r["history"][0]["reward/mean"] for r in recs]
+    worst = [min(x["reward/mean"] for x in r["history"][1:within + 1]) for r in recs]
+    if not all(w < keep * s0 for s0, w in zip(start, worst, strict=True)):
+        return None
+    return min(start), max(start), min(worst), max(worst)
+
+
 def task_saturated(results: dict, task: str, level: float = 0.99) -> bool:
     """True if every trained row of `task` starts, ends and is evaluated at reward >= level (the
     warm start already solves it: its rows cannot tell the methods apart)."""
@@ -438,8 +455,9 @@ def write_report(results_path: str | Path) -> Path:
         L += _default_choice(results)
     if results["runs"]:
         L += ["## Reward", ""]
-        L.append("Training reward: sampled reward of the first 3 steps (the warm-started policy) -> mean of the "
-                 "last 5 steps; held-out reward/accuracy as deployed; mean +- sd over seeds.")
+        L.append("Training reward: mean sampled reward of the first 3 steps (step 0 samples the warm-started "
+                 "policy, steps 1-2 follow one and two RL updates) -> mean of the last 5 steps; held-out "
+                 "reward/accuracy as deployed; mean +- sd over seeds.")
         L.append("")
         # a partial run leaves out tasks with no run yet, and shows not-yet-run rows as "-"
         run_tasks = [t for t in results["tasks"] if _task_runs(results, t)]
@@ -468,6 +486,14 @@ def write_report(results_path: str | Path) -> Path:
                   "than 0.05 below the first 3): these runs compare policies that RL degraded (learning rate too "
                   "high for the warm-started policy, or too few steps to recover), so their reward and held-out "
                   "figures say little about the methods; claims (b) and (c) on them are weak evidence."]
+        for t in run_tasks:
+            fell = rl_collapsed(results, t)
+            if fell:
+                L += ["", f"**{t}: the first RL updates broke every row**: the sampled reward fell from "
+                      f"{_f(fell[0])}-{_f(fell[1])} at step 0 (the warm-started policy) to {_f(fell[2])}-{_f(fell[3])} "
+                      "(each row's worst of steps 1-5, below half its step 0). The rows then recover from that "
+                      "fall at their own pace, so this task compares recoveries, not RL from the warm start (most "
+                      "likely a learning rate too large for this task); claims (b) and (c) on it are weak evidence."]
         saturated = [t for t in run_tasks if task_saturated(results, t)]
         if saturated:
             L += ["", f"**{', '.join(saturated)}: every row starts, ends and is evaluated at reward >= 0.99**: the "
