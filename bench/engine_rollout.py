@@ -96,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                 eng = make_engine("graph" if kind == "graph-copy" else kind, model, recipe, policy,
                                   dtype=torch.bfloat16, device=args.device, diagnostics=diagnostics,
                                   max_len=args.prompt_len + args.new_tokens + 8)
-                graph_engine.FUSED_RECORDING = kind != "graph-copy"  # read when the step is captured
+                if kind == "graph-copy":
+                    graph_engine.FUSED_RECORDING = False  # read when the step is captured
                 try:
                     s = time_rollout(eng, prompts, params, args.repeats)
                 finally:
-                    graph_engine.FUSED_RECORDING = True
+                    if kind == "graph-copy":
+                        graph_engine.FUSED_RECORDING = True
                 row = {"engine": kind, "recipe": recipe_name, "recording": rec, "s": s, "tok_per_s": n_tokens / s}
                 ref = next((r for r in rows if (r["engine"], r["recipe"], r["recording"]) == ("reference", recipe_name, rec)), None)
                 plain = "graph" if kind == "graph-copy" else kind
