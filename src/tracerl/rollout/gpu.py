@@ -2,7 +2,7 @@
 
 `rollout.Engine` keeps the CPU-reference path; `rollout.graph_engine.GraphEngine` runs RL rollouts
 on this decoder (forced tokens, stops and recording added to the captured step through the
-`_observe` / `_observe_routing` / `_advance` hooks). On its own it measures and serves decode speed:
+`_sink` / `_kv_sink` / `_observe_routing` / `_advance` hooks). On its own it measures and serves decode speed:
 
     w = DecoderWeights.from_packed(model.config, model.pack_weights(Recipe("w4a4kv4")), device="cuda")
     dec = GPUDecoder(w, batch=256, max_len=2048, temperature=1.0)
@@ -261,12 +261,6 @@ class DecoderWeights:
         return cls(cfg, recipe, embed, head, ones, layers)
 
 
-def _fp4_index(q: fp4.FP4Tensor, j: int) -> fp4.FP4Tensor:
-    """q[j] along the leading dim (views)."""
-    gs = None if q.global_scale is None else q.global_scale[j]
-    return fp4.FP4Tensor(q.codes[j], q.scales[j], gs, q.fmt, q.shape[1:])
-
-
 def quantize_weight(w: torch.Tensor) -> fp4.FP4Tensor:
     """NVFP4 of a (stacked) weight with one global scale per matrix, as qat.quantize_weight, on the
     Triton kernels: stacked (E, O, I) experts are quantized as E rows of O*I (blocks of 16 never
@@ -340,26 +334,24 @@ class GPUDecoder:
 
     def _act(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None = None):
         """x quantized per row if the recipe quantizes `site`; `pairs`: the (token * top_k + slot)
-        of each row of x when its rows are expert-sorted (the down input), for `_observe`."""
+        of each row of x when its rows are expert-sorted (the down input), for `_sink`."""
         if not self.recipe.quantizes(site):
             return x
         self._watch(site, x)
-        sink = self._sink(site, x, pairs)
-        q = kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink)
-        if sink is None:
-            self._observe(site, q, pairs)
-        return q
+        return self._quantize(x, self._sink(site, x, pairs))
+
+    def _quantize(self, x: torch.Tensor, sink: RecordSink | None) -> fp4.FP4Tensor:
+        """NVFP4 of x per row; with a sink, each row's outcome is also stored at its record row."""
+        return kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink)
 
     # hooks for a recording subclass (rollout/graph_engine.py); they run inside the captured step
 
     def _watch(self, site: str, x: torch.Tensor) -> None:
         """The input of a quantized site (FP4 quantization can hide inf/NaN in it)."""
 
-    def _observe(self, site: str, q: fp4.FP4Tensor, pairs: torch.Tensor | None) -> None:
-        """An activation site's quantization outcome (rows: tokens, or expert-sorted pairs)."""
-
     def _sink(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None) -> RecordSink | None:
-        """Where the quantize of `site` also stores its outcome in-pass (then `_observe` is skipped)."""
+        """Where the quantization outcome of `site` is recorded (rows of x: tokens, or the
+        expert-sorted pairs `pairs`); None: not recorded."""
         return None
 
     def _kv_sink(self, layer: int, kv: torch.Tensor) -> RecordSink | None:
@@ -415,11 +407,7 @@ class GPUDecoder:
             q = fa.qkv_post(qkv, self.pos, self.cos, self.sin, lw.qk_norm, H, Hkv, Dh, cfg.rms_norm_eps,
                             self.kv_new[0], self.kv_new[1])
             self._watch(f"layers.{i}.attn.kv_cache", self.kv_new)
-            sink = self._kv_sink(i, self.kv_new)
-            kvq = kernels.quantize(self.kv_new, "nvfp4", per_row_global=True, sink=sink)
-            if sink is None:
-                for j, name in enumerate(("k_cache", "v_cache")):
-                    self._observe(f"layers.{i}.attn.{name}", _fp4_index(kvq, j), None)
+            kvq = self._quantize(self.kv_new, self._kv_sink(i, self.kv_new))
             fa.kv_store_fp4(kvq, self.pos, c.codes[:, i], c.scales[:, i], c.gscale[:, i])
             o = fa.decode_attention(q, self.lens, k_fp4=(c.codes[0, i], c.scales[0, i], c.gscale[0, i]),
                                     v_fp4=(c.codes[1, i], c.scales[1, i], c.gscale[1, i]), split_len=self.split_len)

@@ -44,21 +44,17 @@ from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, LayerWeights
 from tracerl.rollout.recorder import SiteRecorder
 from tracerl.rollout.sampling import SamplingParams
 
-# recorded sites are written by their quantize kernel (kernels/record_sink.py); False: by
-# index_copy_ after it (the earlier path, kept for A/B timing in bench/engine_rollout.py)
+# recorded sites are written by their quantize kernel (kernels/record_sink.py); False: by the
+# sink's index_copy_ after it (the earlier path, kept for A/B timing in bench/engine_rollout.py)
 FUSED_RECORDING = True
 MAX_STOP = 16  # stop token ids held in the step's static buffer
 KEEP_DECODERS = 2  # decoders (KV cache, records, graph) kept per engine: RL samples, then evaluates greedily
 
 
-def _sink_of(st, flat: torch.Tensor, planes: int = 1, **kw) -> RecordSink:
-    """A RecordSink over a stage's buffers as rows (`planes` stages laid end to end from `st`)."""
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * planes
-        return t.as_strided((n // t.shape[-1], t.shape[-1]), (t.shape[-1], 1))
-
-    return RecordSink(rows(st.codes), rows(st.scales), None if st.gscale is None else rows(st.gscale).view(-1),
-                      flat, **kw)
+def _sink_of(st, flat: torch.Tensor, **kw) -> RecordSink:
+    """A RecordSink over a (contiguous) stage's buffers viewed as rows."""
+    return RecordSink(st.codes.view(-1, st.codes.shape[-1]), st.scales.view(-1, st.scales.shape[-1]),
+                      None if st.gscale is None else st.gscale.view(-1), flat, **kw)
 
 
 class RecordingDecoder(GPUDecoder):
@@ -108,18 +104,15 @@ class RecordingDecoder(GPUDecoder):
 
     # ------------------------------------------------------------------ in the captured step
 
-    def _observe(self, site: str, q: fp4.FP4Tensor, pairs: torch.Tensor | None) -> None:
-        if not self.recorder.wants(site):
-            return
-        if pairs is None:
-            self.recorder.observe_at(site, q, self.flat)
-            return
-        K = self.cfg.top_k
-        p = pairs.long()
-        self.recorder.observe_at(site, q, self.flat[p // K] * K + p % K, rest=(K,))
+    def _quantize(self, x: torch.Tensor, sink: RecordSink | None) -> fp4.FP4Tensor:
+        if sink is None or FUSED_RECORDING:
+            return super()._quantize(x, sink)
+        q = super()._quantize(x, None)
+        sink.write(q)
+        return q
 
     def _sink(self, site: str, x: torch.Tensor, pairs: torch.Tensor | None) -> RecordSink | None:
-        if not FUSED_RECORDING or not self.recorder.wants(site):
+        if not self.recorder.wants(site):
             return None
         K = x.shape[-1]
         if pairs is None:  # token rows: (slot, column)
@@ -129,14 +122,11 @@ class RecordingDecoder(GPUDecoder):
 
     def _kv_sink(self, layer: int, kv: torch.Tensor) -> RecordSink | None:
         sites = (f"layers.{layer}.attn.k_cache", f"layers.{layer}.attn.v_cache")
-        if not FUSED_RECORDING or not all(self.recorder.wants(s) for s in sites):
-            return None  # neither recorded, or only one of them: the per-site path
-        _, B, Hkv, Dh = kv.shape  # rows (k|v, slot, kv head); the two stages lie end to end
-        st, st_v = self.recorder.stage_pair(sites, Dh, (Hkv,), kv.device)
-        if st_v.codes.data_ptr() != st.codes.data_ptr() + st.codes.numel():
-            raise RuntimeError(f"{sites}: the K and V stages are not one buffer (stage them with stage_pair)")
-        return _sink_of(st, self.flat, group=Hkv, plane_rows=B * Hkv, plane_stride=st.codes.numel() // (Dh // 2),
-                        planes=2)
+        if not any(self.recorder.wants(s) for s in sites):
+            return None
+        _, B, Hkv, Dh = kv.shape  # rows (k|v, slot, kv head) -> one (2, slots, max_len, Hkv) group
+        g = self.recorder.stage_group(sites, Dh, (Hkv,), kv.device)
+        return _sink_of(g, self.flat, group=Hkv, plane_rows=B * Hkv, plane_stride=g.codes[0].numel() // (Dh // 2))
 
     def _watch(self, site: str, x: torch.Tensor) -> None:
         # on the device, read at the next poll: quantization can turn inf/NaN into finite codes, so

@@ -35,6 +35,7 @@ class SiteRecorder:
         self.recipe, self.policy, self.n_layers = recipe, policy, n_layers
         self.n_slots, self.max_len, self.diagnostics = n_slots, max_len, diagnostics
         self.stages: dict[str, _Stage] = {}
+        self._groups: dict[tuple[str, ...], _Stage] = {}  # graph engine: stages made by stage_group
         self.rows = torch.arange(n_slots)
         self.start = 0
         self.enabled = True
@@ -81,65 +82,39 @@ class SiteRecorder:
                 raise ValueError(f"{site}: the ties encoding needs the scaled values (check needs_scaled first)")
             st.near[self.rows, self.start:end] = near_midpoint(scaled, self.policy.delta)
 
-    def observe_at(self, site: str, q: fp4.FP4Tensor, flat: torch.Tensor, rest: tuple[int, ...] = ()) -> None:
-        """Stage q's rows (N, ...) at flat positions of the (slots, max_len, *rest) grid.
-
-        The graph engine's form of `observe`: where each row goes is a device tensor (each slot
-        writes its own column), so the write can be captured in a CUDA graph. `rest` is the
-        position's sub-index the grid has beyond (slot, column): (top_k,) for an expert site whose
-        rows are (token, slot) pairs, () for a token site; q's own trailing dims (e.g. KV heads)
-        follow it. The ties encoding needs the scaled values, which this path does not stage.
-        """
-        if not self.wants(site):
-            return
-        # per-row dims of q between its rows and the packed codes (e.g. KV heads)
-        st = self.stage(site, q.shape[-1], (*rest, *q.codes.shape[1:-1]), q.codes.device)
-        st.codes.view(-1, *q.codes.shape[1:]).index_copy_(0, flat, q.codes)
-        st.scales.view(-1, *q.scales.shape[1:]).index_copy_(0, flat, q.scales.view(torch.uint8))
-        if st.gscale is not None:
-            st.gscale.view(-1, *q.global_scale.shape[1:]).index_copy_(0, flat, q.global_scale)
-
     def stage(self, site: str, k: int, rest: tuple[int, ...], device: torch.device) -> _Stage:
-        """The (slots, max_len, *rest) staging buffers of `site` (rows of k elements), made on first use.
+        """The staging buffers of `site` (rows of k elements) as a group of one: (1, slots, max_len, *rest, ...).
 
-        For the graph engine, whose captured step writes into them (`observe_at`, or a quantize
-        kernel's RecordSink): they are allocated once and only cleared in place afterwards."""
-        self._check_recordable(site)
-        st = self.stages.get(site)
-        if st is None:
-            st = self._new_stages([site], k, rest, device)[0]
-        return st
+        For the graph engine, whose captured step writes into them through a RecordSink (in the
+        quantize kernel, or after it): they are allocated once and only cleared in place afterwards."""
+        return self.stage_group((site,), k, rest, device)
 
-    def stage_pair(self, sites: tuple[str, str], k: int, rest: tuple[int, ...], device: torch.device
-                   ) -> tuple[_Stage, _Stage]:
-        """Stages of two sites laid end to end in one buffer (the K and V cache of a layer, written
-        by one quantize of their stacked rows)."""
+    def stage_group(self, sites: tuple[str, ...], k: int, rest: tuple[int, ...], device: torch.device) -> _Stage:
+        """One buffer (len(sites), slots, max_len, *rest, ...) whose [j] is site j's stage: sites
+        quantized together (a layer's K and V) are recorded by one RecordSink over it."""
         for site in sites:
             self._check_recordable(site)
-        have = [self.stages.get(site) for site in sites]
-        if all(st is not None for st in have):
-            return have[0], have[1]
-        if any(st is not None for st in have):
-            raise RuntimeError(f"{sites}: one of the pair was staged alone; stage both with stage_pair")
-        a, b = self._new_stages(list(sites), k, rest, device)
-        return a, b
+        group = self._groups.get(sites)
+        if group is None:
+            if any(site in self.stages for site in sites):
+                raise RuntimeError(f"{sites}: staged before in another grouping")
+            group = self._groups[sites] = self._new_group(sites, k, rest, device)
+        return group
 
     def _check_recordable(self, site: str) -> None:
         if self.needs_scaled(site):
             raise ValueError(f"{site}: the `ties` encoding is not recorded by the graph engine; use lsb or codes")
 
-    def _new_stages(self, sites: list[str], k: int, rest: tuple[int, ...], device: torch.device) -> list[_Stage]:
+    def _new_group(self, sites: tuple[str, ...], k: int, rest: tuple[int, ...], device: torch.device) -> _Stage:
         spec = fp4.FORMATS[self.recipe.fmt]
         lead = (len(sites), self.n_slots, self.max_len, *rest)
-        codes = torch.zeros(*lead, k // 2, dtype=torch.uint8, device=device)
-        scales = torch.zeros(*lead, k // spec.block, dtype=torch.uint8, device=device)
-        gscale = torch.ones(*lead, 1, device=device) if spec.has_global_scale else None
-        out = []
+        g = _Stage(codes=torch.zeros(*lead, k // 2, dtype=torch.uint8, device=device),
+                   scales=torch.zeros(*lead, k // spec.block, dtype=torch.uint8, device=device),
+                   gscale=torch.ones(*lead, 1, device=device) if spec.has_global_scale else None, near=None, k=k)
         for j, site in enumerate(sites):
-            st = _Stage(codes=codes[j], scales=scales[j], gscale=None if gscale is None else gscale[j], near=None, k=k)
-            self.stages[site] = st
-            out.append(st)
-        return out
+            self.stages[site] = _Stage(codes=g.codes[j], scales=g.scales[j],
+                                       gscale=None if g.gscale is None else g.gscale[j], near=None, k=k)
+        return g
 
     def clear(self) -> None:
         """Zero every stage in place (the graph engine reuses its buffers across calls)."""
