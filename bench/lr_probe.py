@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}={value}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
               f"{r['steps_with_gradient']:.0%} of steps with a gradient, held-out {r['heldout_reward']:.3f}, "
               f"rollout {step} s/step, {r['wall_s']:.0f} s", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"suite": args.suite, "task": args.task, "row": args.row,
-                                          "overrides": extra, "runs": rows}, indent=1))
+        # after every run: a probe cut by its time limit keeps the runs it finished
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"suite": args.suite, "task": args.task, "row": args.row,
+                                              "overrides": extra, "runs": rows}, indent=1))
     return 0
 
 
