@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset}, {args.prompts} prompts x {args.samples} samples, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {args.device}")
     print(f"{'engine':10} {'recipe':8} {'recording':9} {'s':>8} {'tok/s':>9} {'x reference':>11} {'overhead':>9}")
+    head = {"preset": args.preset, "prompts": args.prompts, "samples": args.samples, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     for recipe_name in args.recipes.split(","):
         recipe = qat.Recipe(recipe_name)
         for rec in args.recording.split(","):
@@ -113,13 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                 xr = f"{row['x_reference']:.2f}" if row["x_reference"] else "-"
                 ov = f"{row['recording_overhead']:+.0%}" if row["recording_overhead"] is not None else "-"
                 print(f"{kind:10} {recipe_name:8} {rec:9} {s:8.3f} {row['tok_per_s']:9.0f} {xr:>11} {ov:>9}", flush=True)
+                # after every row: a run cut by its time limit keeps the rows it measured
+                Path(args.out).write_text(json.dumps({**head, "rows": rows}, indent=1))
                 del eng
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-    out = {"preset": args.preset, "prompts": args.prompts, "samples": args.samples, "prompt_len": args.prompt_len,
-           "new_tokens": args.new_tokens, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -29,7 +29,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -105,6 +105,20 @@ def run_config(suite: Suite, row: str, task: str, seed: int, out_dir: Path, conf
     return config_from_dict(data, [f"task.name={task}", f"train.seed={seed}", f"model.seed={seed}",
                                    f"run.name={row}-{task}-s{seed}", f"run.out_dir={out_dir / 'runs'}",
                                    "run.tensorboard=false"])
+
+
+# Settings a mismatch study never reads: it measures the warm-start policy on the reference engine.
+STUDY_UNUSED = ("train.lr", "rollout.engine")
+
+
+def study_config(suite: Suite, task: str, seed: int, out_dir: Path, configs_dir: str | Path) -> Config:
+    """The Config of a task's mismatch study (its cell key): the trace row's, less the task's RL-only overrides.
+
+    A task that changes only how RL trains (small/maze's lr and rollout engine) keeps its studies,
+    and a study cell made before such a change still matches.
+    """
+    kept = [o for o in suite.tasks[task] if o.split("=", 1)[0].strip() not in STUDY_UNUSED]
+    return run_config(replace(suite, tasks={**suite.tasks, task: kept}), "trace", task, seed, out_dir, configs_dir)
 
 
 def config_hash(cfg: Config) -> str:
@@ -404,7 +418,7 @@ def _cells_from_results(suite: Suite, out: Path, cells: Path, configs_dir: str |
         # a study record holds no hash of its own: it is current if the trace run of its config is
         h = hash_of("trace", task, suite.seeds[0])
         if old.get("runs", {}).get(f"trace/{task}/{suite.seeds[0]}", {}).get("hash") == h:
-            restore(f"study-{task}-{dt}-{h}.json", rec)
+            restore(f"study-{task}-{dt}-{config_hash(study_config(suite, task, suite.seeds[0], out, configs_dir))}.json", rec)
     return n
 
 
@@ -479,7 +493,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
 
     for task in suite.tasks:
         for seed in suite.seeds:
-            base_cfg = run_config(suite, "trace", task, seed, out, configs_dir)
+            base_cfg = study_config(suite, task, seed, out, configs_dir)
             # bf16 (the RL precision, on which claims are judged) first; float32 is a control, last
             dtypes = ("bfloat16", "float32") if seed == suite.seeds[0] else ()
 
