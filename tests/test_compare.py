@@ -67,6 +67,28 @@ def configs(tmp_path):
     return d
 
 
+def test_committed_small_suite_is_complete_under_the_current_configs(tmp_path):
+    # small's maze changed its RL settings (lr, engine) after its studies ran: studies are keyed
+    # without those (study_config), so a key scheme that broke this would re-run GPU cells
+    shutil.copytree("reports/small/cells", tmp_path / "small" / "cells")
+    res = run_suite("small", tmp_path, "configs/compare", log=lambda s: None, time_budget=0)
+    assert res["complete"] and res["missing"] == [] and len(res["runs"]) == 21 and len(res["study"]) == 6
+    assert res["task_overrides"]["maze"][-2:] == ["train.lr=3.0e-5", "rollout.engine=graph"]
+    assert "maze: `rollout.prompts_per_step=8`" in (REPORTS / "small" / "report.md").read_text()
+
+
+def test_study_key_ignores_only_rl_settings_a_study_never_reads(configs):
+    suite = Suite.load("micro", configs)
+    key = config_hash(experiments.study_config(suite, "arith", 0, Path("o"), configs))
+    rl_only = Suite(**{**suite.__dict__, "tasks": {"arith": ["train.lr=3.0e-5", "rollout.engine=graph"]}})
+    assert config_hash(experiments.study_config(rl_only, "arith", 0, Path("o"), configs)) == key
+    # ...while the row itself is a different run
+    assert config_hash(run_config(rl_only, "trace", "arith", 0, Path("o"), configs)) != \
+        config_hash(run_config(suite, "trace", "arith", 0, Path("o"), configs))
+    sampled = Suite(**{**suite.__dict__, "tasks": {"arith": ["rollout.temperature=0.7"]}})
+    assert config_hash(experiments.study_config(sampled, "arith", 0, Path("o"), configs)) != key
+
+
 def test_every_row_has_a_config_and_rows_differ(configs):
     suite = Suite.load("tiny", configs)
     hashes = {config_hash(run_config(suite, r, "arith", 0, Path("/tmp/x"), configs)) for r in ROWS}

@@ -382,6 +382,10 @@ def write_report(results_path: str | Path) -> Path:
     L.append(f"Tasks {', '.join(results['tasks'])}; seeds {results['seeds']}; rows {', '.join(results['rows'])} + ptq. "
              f"FP4 rows and ptq are deployed as `{results['deploy_recipe']}`. Every figure below is read from "
              f"`results.json` by `tracerl.compare_report`.")
+    per_task = {t: o for t, o in results.get("task_overrides", {}).items() if o}
+    if per_task:
+        L += ["", "Settings of one task's rows (every row of that task has them; compare rows within a task): "
+              + "; ".join(f"{t}: {', '.join(f'`{x}`' for x in o)}" for t, o in per_task.items()) + "."]
     if not results.get("complete", True):
         L += ["", f"**Partial run**: the time budget ran out before {len(results['missing'])} cells: "
                   f"{', '.join(results['missing'])}. Re-running the same command resumes from the committed cells; "

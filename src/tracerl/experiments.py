@@ -443,7 +443,9 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
     cache.mkdir(parents=True, exist_ok=True)
     cells.mkdir(parents=True, exist_ok=True)
     results: dict = {"suite": name, "tasks": list(suite.tasks), "seeds": suite.seeds, "rows": suite.rows,
-                     "runs": {}, "ptq": {}, "study": {}, "deploy_recipe": DEPLOY}
+                     "runs": {}, "ptq": {}, "study": {}, "deploy_recipe": DEPLOY,
+                     # what each task's rows change from the suite's base (maze's lr and engine in small)
+                     "task_overrides": {t: list(o) for t, o in suite.tasks.items()}}
     seeded = _cells_from_results(suite, out, cells, configs_dir)
     if seeded:
         log(f"restored {seeded} cells from {out / 'results.json'}")
