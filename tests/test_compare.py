@@ -413,6 +413,9 @@ def test_report_renders_the_engine_benchmark_from_its_json():
     assert "| reference | w4a4kv4 | none | 8.210 | 1996 | - | - |" in text
     assert "| graph | w4a4kv4 | trace | 0.341 | 48103 | 23.7 | +18% |" in text
     assert "16 prompts x 8 samples, prompt 32, 128 new tokens" in text
+    assert "graph-copy" not in text  # explained only when the bench has such rows
+    bench["rows"].append({**bench["rows"][1], "engine": "graph-copy"})
+    assert "`graph-copy` is the same engine" in "\n".join(_engine_bench_lines(bench))
 
 
 def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, tmp_path):

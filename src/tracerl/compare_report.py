@@ -554,7 +554,10 @@ def _engine_bench_lines(bench: dict) -> list[str]:
          f"One RL step's rollout on one {bench.get('device', 'GPU')}: `{bench.get('preset', '?')}` preset (random "
          f"weights), {bench.get('prompts', '?')} prompts x {bench.get('samples', '?')} samples, prompt "
          f"{bench.get('prompt_len', '?')}, {bench.get('new_tokens', '?')} new tokens. Recording `trace` is the default "
-         "CachePolicy (deepest half, lsb + scales); `full` is all layers, codes, plus the diagnostics the suite records.",
+         "CachePolicy (deepest half, lsb + scales); `full` is all layers, codes, plus the diagnostics the suite records."
+         + (" `graph` records from inside its quantize kernels; `graph-copy` is the same engine copying the records "
+            "after each quantize (`index_copy_`), the A/B of that choice."
+            if any(r["engine"] == "graph-copy" for r in bench.get("rows", [])) else ""),
          "", "| engine | recipe | recording | s per rollout | tok/s | x reference engine | recording overhead |",
          "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in bench.get("rows", []):
