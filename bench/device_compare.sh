@@ -45,7 +45,7 @@ if [ -n "${PROBE_LRS:-}" ]; then  # e.g. PROBE_LRS=3e-5,1e-4: RL at each rate on
 fi
 if [ -n "${PROBE_VARY:-}" ]; then  # e.g. PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace: an RL A/B
   timeout "${PROBE_TIMEOUT:-200}" python3 bench/lr_probe.py --suite "$SUITE" --task "${PROBE_TASK:-arith}" \
-    --row "${PROBE_ROW:-bf16}" --vary "$PROBE_VARY" --work "reports/$SUITE/probes/vary" --cache "reports/$SUITE/cache" \
+    --row "${PROBE_ROW:-bf16}" --vary "$PROBE_VARY" ${PROBE_SEEDS:+--seeds $PROBE_SEEDS} --work "reports/$SUITE/probes/vary" --cache "reports/$SUITE/cache" \
     --out "$OUT/probe_vary.json" ${PROBE_OVERRIDES:+--overrides $PROBE_OVERRIDES} 2>&1 | tee "$OUT/probe_vary.log"
 fi
 if [ "${TESTS:-1}" = 1 ]; then

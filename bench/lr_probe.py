@@ -38,7 +38,10 @@ def summary(rec: dict, key: str = "train.lr", value: str | None = None) -> dict:
             "reward_first3": statistics.fmean(x["reward/mean"] for x in h[:3]),
             "reward_last5": statistics.fmean(x["reward/mean"] for x in h[-5:]),
             "steps_with_gradient": sum(x.get("train/grad_norm", 0) > 0 for x in h) / len(h),
-            "heldout_reward": rec["final_eval"]["eval/reward"], "wall_s": rec["wall_s"]}
+            "heldout_reward": rec["final_eval"]["eval/reward"], "wall_s": rec["wall_s"],
+            "seed": rec["config"]["train"]["seed"],
+            "kl_k3_mean": statistics.fmean(x["mismatch/kl_k3"] for x in h) if "mismatch/kl_k3" in h[0] else None,
+            "flips_mean": statistics.fmean(x["flips/act_frac"] for x in h) if "flips/act_frac" in h[0] else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row", default="bf16")
     ap.add_argument("--lrs", default="3e-5,1e-4")
     ap.add_argument("--vary", default=None, help="KEY=V1,V2: vary this setting instead of the lr")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds, each from its own warm start "
+                    "(default: the suite's first seed)")
     ap.add_argument("--device", default=None, help="override run.device (default: the suite's)")
     ap.add_argument("--overrides", nargs="*", default=[], help="more config overrides, e.g. train.steps=5")
     ap.add_argument("--configs", default="configs/compare")
@@ -64,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     (work / "cells").mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     extra = [*args.overrides, *([f"run.device={args.device}"] if args.device else [])]
-    base = _with(run_config(suite, args.row, args.task, suite.seeds[0], work, args.configs), extra)
-    warm = _warm_state(base, cache, print)
     if args.vary:
         key, sep, values = args.vary.partition("=")
         if not sep or not values:
@@ -73,15 +76,24 @@ def main(argv: list[str] | None = None) -> int:
         variants = [(key, v) for v in values.split(",")]
     else:
         variants = [("train.lr", str(float(lr))) for lr in args.lrs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else suite.seeds[:1]
+    runs = []
+    for seed in seeds:
+        base = _with(run_config(suite, args.row, args.task, seed, work, args.configs), extra)
+        runs += [(base, key, value) for key, value in variants]
     rows = []
-    for key, value in variants:
-        rec = run_one(_with(base, [f"{key}={value}"]), warm, work / "cells", cache, print)
+    warm: dict = {}
+    for base, key, value in runs:
+        if base.train.seed not in warm:
+            warm[base.train.seed] = _warm_state(base, cache, print)
+        rec = run_one(_with(base, [f"{key}={value}"]), warm[base.train.seed], work / "cells", cache, print)
         rows.append(summary(rec, key, value))
         r = rows[-1]
         step = "-" if r["rollout_s_per_step"] is None else f"{r['rollout_s_per_step']:.2f}"
-        print(f"{key}={value}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
+        kl = "" if r["kl_k3_mean"] is None else f", kl_k3 {r['kl_k3_mean']:.2e}"
+        print(f"seed {r['seed']} {key}={value}: sampled reward {r['reward_first3']:.3f} -> {r['reward_last5']:.3f}, "
               f"{r['steps_with_gradient']:.0%} of steps with a gradient, held-out {r['heldout_reward']:.3f}, "
-              f"rollout {step} s/step, {r['wall_s']:.0f} s", flush=True)
+              f"rollout {step} s/step{kl}, {r['wall_s']:.0f} s", flush=True)
         # after every run: a probe cut by its time limit keeps the runs it finished
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"suite": args.suite, "task": args.task, "row": args.row,
