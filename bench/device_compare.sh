@@ -2,7 +2,8 @@
 # The GPU comparison suite on the lent GPU, resumable across calls and device sessions.
 # Run from the repo root on the device (torch + triton there; tracerl not installed):
 #     OUT=/path/to/out COMPARE_BUDGET=400 [TASKS=arith,maze] [TESTS=0] [ENGINE_BENCH=1] [PROBE_LRS=3e-5,1e-4]
-#       [PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace] bash bench/device_compare.sh
+#       [PROBE_VARY=rollout.engine=reference,graph PROBE_ROW=trace PROBE_SEEDS=0,1] [CUDA_TESTS="tests/..."]
+#       bash bench/device_compare.sh
 # 1. with PROBE_LRS, bench/lr_probe.py (one row of PROBE_TASK, default arith, at each rate;
 #    $OUT/lr_probe.json, its cells under reports/<suite>/probes/lr); with PROBE_VARY, the same for each
 #    value of another setting ($OUT/probe_vary.json, probes/vary); PROBE_OVERRIDES (space-separated
