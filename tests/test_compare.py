@@ -13,21 +13,6 @@ from tracerl.compare_report import claims, pareto, pick_default_policy, write_re
 from tracerl.config import config_from_dict
 from tracerl.experiments import ROWS, Budget, Suite, config_hash, run_config, run_suite
 
-MICRO = """
-base:
-  model: {preset: tiny}
-  rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}
-  train: {steps: 2, compute_dtype: float32}
-  warm_start: {steps: 3, batch_size: 4, examples: 16}
-  task: {eval_prompts: 4}
-tasks:
-  arith: []
-seeds: [0]
-rows: [bf16]
-study_prompts: 2
-study_samples: 2
-"""
-
 
 def assert_markdown_tables(text: str) -> None:
     """Every table follows a blank line or a heading, and each of its rows has the header's columns."""
@@ -57,14 +42,6 @@ def test_committed_tiny_suite_is_complete_under_the_current_configs(tmp_path):
     shutil.copytree("reports/tiny/cells", tmp_path / "tiny" / "cells")
     res = run_suite("tiny", tmp_path, "configs/compare", log=lambda s: None, time_budget=0)
     assert res["complete"] and res["missing"] == [] and len(res["runs"]) == 63
-
-
-@pytest.fixture()
-def configs(tmp_path):
-    d = tmp_path / "configs"
-    shutil.copytree("configs/compare", d)
-    (d / "suite-micro.yaml").write_text(MICRO)
-    return d
 
 
 def test_committed_small_suite_is_complete_under_the_current_configs(tmp_path):
@@ -420,7 +397,7 @@ def test_report_renders_the_engine_benchmark_from_its_json():
 
 def test_per_step_evals_leave_training_unchanged_and_top_up_old_cells(configs, tmp_path):
     out = tmp_path / "reports"
-    text = MICRO.replace("task: {eval_prompts: 4}", "task: {eval_prompts: 4}\n  run: {eval_every: 0}")
+    text = (configs / "suite-micro.yaml").read_text().replace("task: {eval_prompts: 4}", "task: {eval_prompts: 4}\n  run: {eval_every: 0}")
     (configs / "suite-micro.yaml").write_text(text)
     first = run_suite("micro", out, configs, log=lambda s: None)
     old = first["runs"]["bf16/arith/0"]

@@ -2,23 +2,9 @@
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = """
-base:
-  model: {preset: tiny}
-  rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 4}
-  train: {steps: 1, compute_dtype: float32}
-  warm_start: {steps: 2, batch_size: 4, examples: 16}
-  task: {eval_prompts: 2}
-  run: {eval_every: 0}
-tasks:
-  arith: []
-seeds: [0]
-rows: [bf16]
-"""
 
 
 def _probe():
@@ -28,10 +14,7 @@ def _probe():
     return mod
 
 
-def test_probe_runs_each_value_per_seed_and_reuses_its_cells(tmp_path, monkeypatch):
-    configs = tmp_path / "configs"
-    shutil.copytree(ROOT / "configs" / "compare", configs)
-    (configs / "suite-micro.yaml").write_text(MICRO)
+def test_probe_runs_each_value_per_seed_and_reuses_its_cells(configs, tmp_path, monkeypatch):
     probe = _probe()
     args = ["--suite", "micro", "--task", "arith", "--configs", str(configs), "--work", str(tmp_path / "w"),
             "--vary", "train.lr=1e-4,1e-5", "--seeds", "0,1", "--out", str(tmp_path / "p.json")]
