@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tracerl.experiments import Suite, _warm_state, _with, config_hash, run_config, run_one  # noqa: E402
+from tracerl.experiments import Suite, _warm_state, _with, run_cell, run_config, run_one  # noqa: E402
 
 
 def summary(rec: dict, key: str = "train.lr", value: str | None = None) -> dict:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for base, key, value in runs:
         cfg = _with(base, [f"{key}={value}"])
         # a run already in cells/ is read back, so its seed's warm start is not recomputed for it
-        if base.train.seed not in warm and not (work / "cells" / f"run-{config_hash(cfg)}.json").exists():
+        if base.train.seed not in warm and not run_cell(work / "cells", cfg).exists():
             warm[base.train.seed] = _warm_state(base, cache, print)
         rec = run_one(cfg, warm.get(base.train.seed), work / "cells", cache, print)
         rows.append(summary(rec, key, value))

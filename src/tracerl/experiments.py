@@ -221,6 +221,11 @@ def _with(cfg: Config, overrides: list[str]) -> Config:
     return config_from_dict(cfg.to_dict(), overrides)
 
 
+def run_cell(cells: Path, cfg: Config) -> Path:
+    """Where the record of the run `cfg` is cached in `cells` (named by its config hash)."""
+    return cells / f"run-{config_hash(cfg)}.json"
+
+
 def run_one(cfg: Config, warm: WarmStart, cells: Path, cache: Path, log: Callable[[str], None],
             refresh: bool = False) -> dict:
     """Train one row (its record cached by config hash in `cells`); return the record.
@@ -229,7 +234,7 @@ def run_one(cfg: Config, warm: WarmStart, cells: Path, cache: Path, log: Callabl
     rollout precision, is added to that step's history entry; `final_eval` is the last one.
     """
     h = config_hash(cfg)
-    path = cells / f"run-{h}.json"
+    path = run_cell(cells, cfg)
     if path.exists() and not refresh:  # refresh: train again, the old record stands until the new one is written
         return json.loads(path.read_text())
     log(f"train {cfg.run.name}")
@@ -516,7 +521,7 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
                 for row in rows:
                     cfg = run_config(suite, row, task, seed, out, configs_dir)
                     key = f"{row}/{task}/{seed}"
-                    rec = cell("run", key, cells / f"run-{config_hash(cfg)}.json",
+                    rec = cell("run", key, run_cell(cells, cfg),
                                lambda cfg=cfg: run_one(cfg, warm_for(cfg), cells, cache, log))
                     if rec is None:
                         continue
