@@ -121,6 +121,11 @@ def study_config(suite: Suite, task: str, seed: int, out_dir: Path, configs_dir:
     return run_config(replace(suite, tasks={**suite.tasks, task: kept}), "trace", task, seed, out_dir, configs_dir)
 
 
+def study_cell_name(task: str, dtype_name: str, study_cfg: Config) -> str:
+    """The file name of a mismatch study's cell (keyed by its `study_config`)."""
+    return f"study-{task}-{dtype_name}-{config_hash(study_cfg)}.json"
+
+
 def config_hash(cfg: Config) -> str:
     """Stable hash of everything that determines a run's results (not where it is written).
 
@@ -423,7 +428,7 @@ def _cells_from_results(suite: Suite, out: Path, cells: Path, configs_dir: str |
         # a study record holds no hash of its own: it is current if the trace run of its config is
         h = hash_of("trace", task, suite.seeds[0])
         if old.get("runs", {}).get(f"trace/{task}/{suite.seeds[0]}", {}).get("hash") == h:
-            restore(f"study-{task}-{dt}-{config_hash(study_config(suite, task, suite.seeds[0], out, configs_dir))}.json", rec)
+            restore(study_cell_name(task, dt, study_config(suite, task, suite.seeds[0], out, configs_dir)), rec)
     return n
 
 
@@ -500,20 +505,20 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
 
     for task in suite.tasks:
         for seed in suite.seeds:
-            base_cfg = study_config(suite, task, seed, out, configs_dir)
+            study_cfg = study_config(suite, task, seed, out, configs_dir)
             # bf16 (the RL precision, on which claims are judged) first; float32 is a control, last
             dtypes = ("bfloat16", "float32") if seed == suite.seeds[0] else ()
 
-            def study(dt: str, task: str = task, base_cfg: Config = base_cfg) -> None:
+            def study(dt: str, task: str = task, study_cfg: Config = study_cfg) -> None:
                 label = f"{task}/{dt}"
-                p = cells / f"study-{task}-{dt}-{config_hash(base_cfg)}.json"
+                p = cells / study_cell_name(task, dt, study_cfg)
                 if not p.exists() and budget.allows("study"):
                     log(f"mismatch study {task} ({dt})")
-                rec = cell("study", f"study {label}", p, lambda: mismatch_study(base_cfg, warm_for(base_cfg), suite, dt))
+                rec = cell("study", f"study {label}", p, lambda: mismatch_study(study_cfg, warm_for(study_cfg), suite, dt))
                 if rec is not None:
                     results["study"][label] = rec
                     if not study_is_current(rec):
-                        stale.append((label, p, base_cfg, dt))
+                        stale.append((label, p, study_cfg, dt))
 
             if dtypes:
                 study(dtypes[0])
@@ -560,10 +565,10 @@ def run_suite(name: str, out_root: str | Path = "reports", configs_dir: str | Pa
             ptq = eval_ptq(cfg, rec, cache)
             _write_json(cells / f"ptq-{rec['hash']}.json", ptq)
             results["ptq"][task_seed] = ptq
-    for label, p, base_cfg, dt in stale:
-        def restudy(label=label, base_cfg=base_cfg, dt=dt) -> dict:
+    for label, p, study_cfg, dt in stale:
+        def restudy(label=label, study_cfg=study_cfg, dt=dt) -> dict:
             log(f"mismatch study {label}: re-run (recorded before schema {STUDY_SCHEMA})")
-            return mismatch_study(base_cfg, warm_for(base_cfg), suite, dt)
+            return mismatch_study(study_cfg, warm_for(study_cfg), suite, dt)
         rec = budgeted("study", restudy)
         if rec is None:
             break
