@@ -372,8 +372,10 @@ def row_tiles(offsets: torch.Tensor, bm: int, max_tiles: int) -> tuple[torch.Ten
     return te, tm
 
 
-# (w_fp4, a_fp4, swiglu) -> (BN, BK, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro)
-TUNED: dict[tuple[bool, bool, bool], tuple[int, int, int]] = {}
+# (w_fp4, a_fp4, swiglu) -> (BN, BK, num_warps[, num_stages]); benchmarks may fill it from a sweep
+# (bench/rollout.py --micro, bench/gemm_profile.py)
+TUNED: dict[tuple[bool, bool, bool], tuple[int, ...]] = {}
+STAGES = 3  # software pipeline depth of the K loop when a config names none
 
 
 def pick_bm(rows_per_group: float) -> int:
@@ -408,7 +410,7 @@ def grouped_gemm(
     n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
     with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
     `row_tiles` (made here if None; a decoder makes them once per layer for both GEMMs).
-    config = (BM, BN, BK, num_warps) (default: `pick_bm`, then TUNED or (64, 128, 4)).
+    config = (BM, BN, BK, num_warps[, num_stages]) (default: `pick_bm`, then TUNED or (64, 128, 4)).
     """
     w_fp4 = isinstance(w, fp4.FP4Tensor)
     a_fp4 = isinstance(a, fp4.FP4Tensor)
@@ -451,11 +453,12 @@ def grouped_gemm(
     if rows_per_group is None:
         rows_per_group = N / max(E, 1)
     if config is None:
-        bn, bk, nw = TUNED.get((w_fp4, a_fp4, swiglu), (64, 128, 4))
+        bn, bk, nw, *ns = TUNED.get((w_fp4, a_fp4, swiglu), (64, 128, 4))
         bm = tiles[2] if tiles is not None else pick_bm(rows_per_group)
         bk = bk if K % bk == 0 else 64
     else:
-        bm, bn, bk, nw = config
+        bm, bn, bk, nw, *ns = config
+    ns = ns[0] if ns else STAGES
     if K % bk or K % 16:
         raise ValueError(f"K={K} must be a multiple of the K tile {bk}")
     if tiles is None or tiles[2] != bm:
@@ -480,7 +483,7 @@ def grouped_gemm(
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
         SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
         SWAP=swap and w_fp4, TMA=tma, num_warps=nw,
-        num_stages=3,
+        num_stages=ns,
     )
     return out
 

@@ -1,0 +1,188 @@
+"""One MoE layer's expert GEMMs on the GPU: a tile x pipeline-depth sweep, and a launch list for ncu.
+
+Why: the decode step's FP4 expert GEMMs stream packed weights at about a quarter of the copy
+bandwidth while the same kernel on BF16 weights reaches 0.7 (bench/RESULTS.md). Counting SASS
+on CPU (tests/hopper_compile.py) puts the kernel's issue work at ~0.18 warp-instructions per
+weight element, a third of what the measured time allows, so the stall is latency, not issue
+slots; this script measures which tiles and pipeline depths hide it, and hands single launches
+to Nsight Compute for the stall reasons.
+
+    # timing sweep (device): prints one JSON line per (kind, format, batch, config), writes --out
+    PYTHONPATH=src python3 bench/gemm_profile.py --sweep --out $OUT/gemm_sweep.json
+    # one launch per (kind, format, batch) between cudaProfilerStart/Stop, for ncu:
+    ncu --clock-control none --profile-from-start off --section WarpStateStats ... \\
+        python3 bench/gemm_profile.py --ncu
+
+Shapes: `qwen3-30b-a3b` (hidden 2048, expert width 768, 128 experts, top-8), random weights and
+routing (uniform over experts); gate_up is the fused SwiGLU GEMM (E, 1536, 2048), down (E, 2048, 768)
+with the gated scatter. Bytes = the touched experts' weights (packed codes + scales for FP4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rollout import copy_bandwidth, events_ms  # noqa: E402  (bench/rollout.py: the same timers)
+
+from tracerl import kernels  # noqa: E402
+from tracerl.kernels import fp4_gemm as fg  # noqa: E402
+from tracerl.model.config import get_config  # noqa: E402
+from tracerl.rollout.gpu import quantize_weight  # noqa: E402
+
+# (BN, BK, num_warps, num_stages): the shipped default first
+SWEEP = [(64, 128, 4, 3)] + [c for c in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4))
+                             if c != (64, 128, 4, 3) and not (c[0] == 128 and c[1] == 256)]
+
+
+class Layer:
+    """One layer's expert weights (BF16 and NVFP4) and a batch's routed activations."""
+
+    def __init__(self, batch: int, seed: int = 0):
+        cfg = get_config("qwen3-30b-a3b")
+        dev = "cuda"
+        g = torch.Generator(device=dev).manual_seed(seed)
+        D, E, F, K = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.top_k
+        self.wgu = (torch.randn(E, 2 * F, D, device=dev, generator=g) * 0.02).bfloat16()
+        self.wdn = (torch.randn(E, D, F, device=dev, generator=g) * 0.02).bfloat16()
+        self.qgu, self.qdn = quantize_weight(self.wgu), quantize_weight(self.wdn)
+        self.x = torch.randn(batch, D, device=dev, generator=g).bfloat16()
+        ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
+        self.offs, self.tok, self.pair, self.gs = fg.dispatch(ids, gates, E)
+        frac = int((torch.diff(self.offs, prepend=self.offs[:1] * 0) > 0).sum()) / E
+        self.bm = fg.pick_bm(batch * K / E)
+        self.y = torch.zeros(batch * K, D, device=dev)
+        self.h = torch.randn(batch * K, F, device=dev, generator=g).bfloat16()
+        self.xq = kernels.quantize(self.x, "nvfp4", per_row_global=True)
+        self.hq = kernels.quantize(self.h, "nvfp4", per_row_global=True)
+        self.bytes = {("gu", "bf16"): frac * self.wgu.numel() * 2, ("dn", "bf16"): frac * self.wdn.numel() * 2,
+                      ("gu", "fp4"): frac * self.qgu.nbytes, ("dn", "fp4"): frac * self.qdn.nbytes}
+        self.tiles = (*fg.row_tiles(self.offs, self.bm, fg.max_row_tiles(E, batch * K, self.bm)), self.bm)
+
+    def call(self, kind: str, fmt: str, config: tuple[int, ...] | None):
+        """A zero-argument launch of one GEMM (kind gu|dn, fmt bf16|w4a16|w4a4) at `config`."""
+        cfg = None if config is None else (self.bm, *config)
+        if kind == "gu":
+            w = self.wgu if fmt == "bf16" else self.qgu
+            a = self.xq if fmt == "w4a4" else self.x
+            return lambda: fg.grouped_gemm(a, w, self.offs, row_idx=self.tok, swiglu=True, n_rows=self.tok.numel(),
+                                           tiles=self.tiles, config=cfg)
+        w = self.wdn if fmt == "bf16" else self.qdn
+        a = self.hq if fmt == "w4a4" else self.h
+        return lambda: fg.grouped_gemm(a, w, self.offs, dst_idx=self.pair, gate=self.gs, out=self.y,
+                                       tiles=self.tiles, config=cfg)
+
+    def nbytes(self, kind: str, fmt: str) -> float:
+        return self.bytes[(kind, "bf16" if fmt == "bf16" else "fp4")]
+
+
+def _compile_some(jobs: list[tuple[str, str, tuple[int, ...]]]) -> int:
+    """Worker: launch each job once at batch 16 so Triton's disk cache holds its binary."""
+    layer = Layer(16)
+    failed = 0
+    for kind, fmt, c in jobs:
+        try:
+            layer.call(kind, fmt, c)()
+        except Exception:  # noqa: BLE001 - the timing pass reports it
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int) -> None:
+    """Compile every (kind, fmt, config) in `workers` processes first: Triton compiles one kernel at a
+    time per process (about a second each here), and the cache is shared through the disk. Every
+    batch of the sweep uses the same row tile (BM 16 up to 16 rows per expert), so one compile serves all."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = [(k, f, c) for k in ("gu", "dn") for f in fmts for c in (configs if f != "bf16" else configs[:1])]
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        failed = sum(ex.map(_compile_some, chunks))
+    print(f"precompiled {len(jobs)} kernels in {workers} processes ({failed} failed)", flush=True)
+
+
+def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], out: str | None) -> list[dict]:
+    """Time every (kind, fmt, config) at each batch; the fastest config per (kind, fmt, batch) is marked."""
+    bw = copy_bandwidth()
+    rows: list[dict] = []
+
+    def save():
+        if out:
+            with open(out + ".tmp", "w") as f:
+                json.dump({"copy_GBps": bw / 1e9, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            os.replace(out + ".tmp", out)
+
+    for batch in batches:
+        layer = Layer(batch)
+        for kind, fmt in itertools.product(("gu", "dn"), fmts):
+            nb = layer.nbytes(kind, fmt)
+            best = None
+            for c in configs if fmt != "bf16" else configs[:1]:
+                r = {"kind": kind, "fmt": fmt, "batch": batch, "config": list(c), "bm": layer.bm}
+                try:
+                    ms = events_ms(layer.call(kind, fmt, c), 20, 3)
+                    r.update(ms=ms, GBps=nb / ms / 1e6, roofline_frac=nb / bw / (ms * 1e-3))
+                    if best is None or ms < best["ms"]:
+                        best = r
+                except Exception as e:  # a tile that does not fit (shared memory, registers): report, go on
+                    r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            if best is not None:
+                best["best"] = True
+            save()
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ncu_launches(batches: list[int], fmts: list[str]) -> None:
+    """Compile and warm every (kind, fmt, batch) at the shipped config, then launch each once inside
+    cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)."""
+    layers = {b: Layer(b) for b in batches}
+    calls = [(b, k, f, layers[b].call(k, f, None)) for b in batches for k in ("gu", "dn") for f in fmts]
+    for *_, fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    for b, k, f, fn in calls:
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"profiled batch={b} kind={k} fmt={f}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="time the tile x pipeline-depth sweep")
+    ap.add_argument("--ncu", action="store_true", help="one launch per (batch, kind, format) for ncu")
+    ap.add_argument("--batches", default="16,256")
+    ap.add_argument("--fmts", default="bf16,w4a16,w4a4")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--workers", type=int, default=8, help="processes that compile the sweep's kernels first")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_profile: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    fmts = args.fmts.split(",")
+    print("nibble conversion:", fg.selfcheck(), flush=True)
+    if args.sweep:
+        if args.workers > 1:
+            precompile(fmts, SWEEP, args.workers)
+        sweep(batches, fmts, SWEEP, args.out)
+    if args.ncu:
+        ncu_launches(batches, fmts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
