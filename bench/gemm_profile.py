@@ -29,10 +29,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import copy_bandwidth, events_ms  # noqa: E402  (bench/rollout.py: the same timers)
+from rollout import copy_bandwidth  # noqa: E402  (bench/rollout.py: the same copy bandwidth)
 
 from tracerl import kernels  # noqa: E402
 from tracerl.kernels import fp4_gemm as fg  # noqa: E402
+from tracerl.kernels.fp4_swizzle import SwizzledFP4  # noqa: E402
 from tracerl.model.config import get_config  # noqa: E402
 from tracerl.rollout.gpu import quantize_weight  # noqa: E402
 
@@ -52,6 +53,7 @@ class Layer:
         self.wgu = (torch.randn(E, 2 * F, D, device=dev, generator=g) * 0.02).bfloat16()
         self.wdn = (torch.randn(E, D, F, device=dev, generator=g) * 0.02).bfloat16()
         self.qgu, self.qdn = quantize_weight(self.wgu), quantize_weight(self.wdn)
+        self.sgu, self.sdn = SwizzledFP4.of(self.qgu), SwizzledFP4.of(self.qdn)
         self.x = torch.randn(batch, D, device=dev, generator=g).bfloat16()
         ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
         self.offs, self.tok, self.pair, self.gs = fg.dispatch(ids, gates, E)
@@ -66,20 +68,55 @@ class Layer:
         self.tiles = (*fg.row_tiles(self.offs, self.bm, fg.max_row_tiles(E, batch * K, self.bm)), self.bm)
 
     def call(self, kind: str, fmt: str, config: tuple[int, ...] | None):
-        """A zero-argument launch of one GEMM (kind gu|dn, fmt bf16|w4a16|w4a4) at `config`."""
+        """A zero-argument launch of one GEMM at `config`: kind gu|dn, fmt bf16|w4a16|w4a4, with
+        suffix 's' for swizzled weights (fp4_swizzle.py) and 'l' for w4a4 dequantizing its
+        activations in the K loop (fg.DEQUANT_A off)."""
         cfg = None if config is None else (self.bm, *config)
-        if kind == "gu":
-            w = self.wgu if fmt == "bf16" else self.qgu
-            a = self.xq if fmt == "w4a4" else self.x
-            return lambda: fg.grouped_gemm(a, w, self.offs, row_idx=self.tok, swiglu=True, n_rows=self.tok.numel(),
-                                           tiles=self.tiles, config=cfg)
-        w = self.wdn if fmt == "bf16" else self.qdn
-        a = self.hq if fmt == "w4a4" else self.h
-        return lambda: fg.grouped_gemm(a, w, self.offs, dst_idx=self.pair, gate=self.gs, out=self.y,
-                                       tiles=self.tiles, config=cfg)
+        base = fmt.rstrip("sl")
+        gu = kind == "gu"
+        w = (self.wgu if gu else self.wdn) if base == "bf16" else (
+            (self.sgu if gu else self.sdn) if "s" in fmt[4:] else (self.qgu if gu else self.qdn))
+        a = (self.xq if gu else self.hq) if base == "w4a4" else (self.x if gu else self.h)
+        in_loop = "l" in fmt[4:]
+
+        def run(fn):
+            fg.DEQUANT_A = not in_loop
+            try:
+                return fn()
+            finally:
+                fg.DEQUANT_A = True
+        if gu:
+            return lambda: run(lambda: fg.grouped_gemm(a, w, self.offs, row_idx=self.tok, swiglu=True,
+                                                       n_rows=self.tok.numel(), tiles=self.tiles, config=cfg))
+        return lambda: run(lambda: fg.grouped_gemm(a, w, self.offs, dst_idx=self.pair, gate=self.gs, out=self.y,
+                                                   tiles=self.tiles, config=cfg))
 
     def nbytes(self, kind: str, fmt: str) -> float:
         return self.bytes[(kind, "bf16" if fmt == "bf16" else "fp4")]
+
+
+def graph_ms(fn, reps: int = 10, replays: int = 5) -> float:
+    """Device time of one call: `reps` calls captured in a CUDA graph, replayed `replays` times (no
+    host launch cost in the figure, as in the decoder's captured step)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (reps * replays)
 
 
 def _compile_some(jobs: list[tuple[str, str, tuple[int, ...]]]) -> int:
@@ -95,22 +132,24 @@ def _compile_some(jobs: list[tuple[str, str, tuple[int, ...]]]) -> int:
     return failed
 
 
-def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int) -> None:
+def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int, full: set[str]) -> None:
     """Compile every (kind, fmt, config) in `workers` processes first: Triton compiles one kernel at a
     time per process (about a second each here), and the cache is shared through the disk. Every
     batch of the sweep uses the same row tile (BM 16 up to 16 rows per expert), so one compile serves all."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = [(k, f, c) for k in ("gu", "dn") for f in fmts for c in (configs if f != "bf16" else configs[:1])]
+    jobs = [(k, f, c) for k in ("gu", "dn") for f in fmts for c in (configs if f in full else configs[:1])]
     chunks = [jobs[i::workers] for i in range(workers)]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         failed = sum(ex.map(_compile_some, chunks))
     print(f"precompiled {len(jobs)} kernels in {workers} processes ({failed} failed)", flush=True)
 
 
-def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], out: str | None) -> list[dict]:
-    """Time every (kind, fmt, config) at each batch; the fastest config per (kind, fmt, batch) is marked."""
+def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], out: str | None,
+          full: set[str]) -> list[dict]:
+    """Time every (kind, fmt, config) at each batch (formats not in `full`: the first config only);
+    the fastest config per (kind, fmt, batch) is marked."""
     bw = copy_bandwidth()
     rows: list[dict] = []
 
@@ -125,10 +164,10 @@ def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], o
         for kind, fmt in itertools.product(("gu", "dn"), fmts):
             nb = layer.nbytes(kind, fmt)
             best = None
-            for c in configs if fmt != "bf16" else configs[:1]:
+            for c in configs if fmt in full else configs[:1]:
                 r = {"kind": kind, "fmt": fmt, "batch": batch, "config": list(c), "bm": layer.bm}
                 try:
-                    ms = events_ms(layer.call(kind, fmt, c), 20, 3)
+                    ms = graph_ms(layer.call(kind, fmt, c))
                     r.update(ms=ms, GBps=nb / ms / 1e6, roofline_frac=nb / bw / (ms * 1e-3))
                     if best is None or ms < best["ms"]:
                         best = r
@@ -165,7 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time the tile x pipeline-depth sweep")
     ap.add_argument("--ncu", action="store_true", help="one launch per (batch, kind, format) for ncu")
     ap.add_argument("--batches", default="16,256")
-    ap.add_argument("--fmts", default="bf16,w4a16,w4a4")
+    ap.add_argument("--fmts", default="bf16,w4a16,w4a4,w4a16s,w4a4s,w4a4l",
+                    help="s: swizzled weights; l: w4a4 activations dequantized in the K loop")
+    ap.add_argument("--full", default="w4a16s,w4a4s", help="formats swept over every config (others: the default)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=8, help="processes that compile the sweep's kernels first")
     args = ap.parse_args(argv)
@@ -176,9 +217,10 @@ def main(argv=None) -> int:
     fmts = args.fmts.split(",")
     print("nibble conversion:", fg.selfcheck(), flush=True)
     if args.sweep:
+        full = set(args.full.split(","))
         if args.workers > 1:
-            precompile(fmts, SWEEP, args.workers)
-        sweep(batches, fmts, SWEEP, args.out)
+            precompile(fmts, SWEEP, args.workers, full)
+        sweep(batches, fmts, SWEEP, args.out, full)
     if args.ncu:
         ncu_launches(batches, fmts)
     return 0

@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
-           "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda")}
+           "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
+           "swizzle": fg.swizzle_check("cuda")}
     import triton
 
     env["triton"] = triton.__version__

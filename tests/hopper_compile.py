@@ -128,6 +128,8 @@ def compile_variants(log: list, regs: bool = False) -> None:
             ids, gates = fg.route_reference(torch.randn(T, E, generator=g), K)
             offs, tok, pair, gs = fg.dispatch_reference(ids, gates, E)
             xq = fp4.quantize(x, "nvfp4", per_row_global=True)
+            from tracerl.kernels.fp4_swizzle import SwizzledFP4
+            s_gu, s_dn = SwizzledFP4.of(q_gu), SwizzledFP4.of(q_dn)
             h = torch.randn(T * K, F, generator=g).bfloat16()
             out = torch.zeros(T * K, D)
             for fg.USE_ASM in (True, False):
@@ -137,8 +139,13 @@ def compile_variants(log: list, regs: bool = False) -> None:
                             fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, out_f32=True)
                             fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
-                        for w in (w_dn, q_dn):
+                        for w in (w_dn, q_dn, s_dn):
                             fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+                        # swizzled weights (fp4_swizzle.py), and w4a4 with its activations dequantized in the loop
+                        fg.grouped_gemm(x, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+                        fg.DEQUANT_A = False
+                        fg.grouped_gemm(xq, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+                        fg.DEQUANT_A = True
             # a per-kind choice (what bench/rollout.py --micro stores) overrides the module flags
             fg.PREFETCH = fg.SWAP_AB = fg.TMA_W = False
             fg.KERNEL_VARIANT[(True, True, True)] = (False, True, True)

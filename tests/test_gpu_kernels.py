@@ -104,6 +104,58 @@ def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
     assert _rel(y, r) < 1e-5
 
 
+def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
+    """Swizzled weights (kernels/fp4_swizzle.py) give the natural weights' outputs bit for bit, in every
+    GEMM kind and kernel variant; and the device's swizzle check passes."""
+    from tracerl.kernels.fp4_swizzle import SwizzledFP4
+
+    g = torch.Generator().manual_seed(4)
+    _, q_gu = _experts(E, 2 * F, D, dev, 5)
+    _, q_dn = _experts(E, D, F, dev, 6)
+    s_gu, s_dn = SwizzledFP4.of(q_gu), SwizzledFP4.of(q_dn)
+    assert not torch.equal(s_gu.codes, q_gu.codes)
+    x = torch.randn(T, D, generator=g).bfloat16().to(dev)
+    xq = fp4.quantize(x.cpu(), "nvfp4", per_row_global=True).to(dev)
+    ids, gates = fg.route_reference(torch.randn(T, E, generator=g).to(dev), K)
+    offs, tok, pair, gs = fg.dispatch_reference(ids, gates, E)
+    N = T * K
+    h = torch.randn(N, F, generator=g).bfloat16().to(dev)
+    saved = fg.SWAP_AB, fg.TMA_W, dict(fg.KERNEL_VARIANT)
+    fg.KERNEL_VARIANT.clear()
+    try:
+        for fg.SWAP_AB, fg.TMA_W in ((False, False), (True, False), (False, True)):
+            for a in (x, xq):
+                for kw in ({"out_f32": True}, {"swiglu": True}):
+                    y0 = fg.grouped_gemm(a, q_gu, offs, row_idx=tok, n_rows=N, **kw)
+                    y1 = fg.grouped_gemm(a, s_gu, offs, row_idx=tok, n_rows=N, **kw)
+                    assert torch.equal(y0, y1), (fg.SWAP_AB, fg.TMA_W, kw, _rel(y1, y0))
+            outs = [torch.zeros(N, D, device=dev) for _ in range(2)]
+            for w, out in zip((q_dn, s_dn), outs):
+                fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+            assert torch.equal(*outs)
+    finally:
+        fg.SWAP_AB, fg.TMA_W = saved[:2]
+        fg.KERNEL_VARIANT.clear()
+        fg.KERNEL_VARIANT.update(saved[2])
+    # w4a4: activations dequantized once before the GEMM (DEQUANT_A) or inside its K loop: same products
+    hq = fp4.quantize(h.cpu(), "nvfp4", per_row_global=True).to(dev)
+    try:
+        for w, a, kw in ((q_gu, xq, {"row_idx": tok, "n_rows": N, "swiglu": True}),
+                         (s_gu, xq, {"row_idx": tok, "n_rows": N, "out_f32": True}), (q_dn, hq, {"out_f32": True})):
+            ys = []
+            for fg.DEQUANT_A in (True, False):
+                ys.append(fg.grouped_gemm(a, w, offs, **kw))
+            assert torch.equal(*ys), (kw, _rel(*ys))
+    finally:
+        fg.DEQUANT_A = True
+    wl = fp4.FP4Tensor(q_dn.codes[0], q_dn.scales[0], q_dn.global_scale[0].reshape(1), "nvfp4", torch.Size((D, F)))
+    assert torch.equal(fg.fp4_linear(h, wl, out_f32=True), fg.fp4_linear(h, SwizzledFP4.of(wl), out_f32=True))
+    # the references read swizzled weights through natural()
+    r = fg.grouped_gemm_reference(x, s_gu, offs, row_idx=tok, n_rows=N, out_f32=True)
+    assert torch.equal(r, fg.grouped_gemm_reference(x, q_gu, offs, row_idx=tok, n_rows=N, out_f32=True))
+    assert fg.swizzle_check(dev) == "swizzle ok"
+
+
 def check_row_tiles(dev: str):
     offs = torch.tensor([0, 5, 5, 40, 41, 41, 80, 100], dtype=torch.int32, device=dev)
     for bm in (16, 32):
@@ -204,6 +256,7 @@ def check_norm_and_sample(dev: str, B=4, D=96, V=300):
 def check_all(dev: str) -> None:
     check_row_tiles(dev)
     check_grouped_gemm(dev)
+    check_swizzled_gemm(dev)
     check_route_dispatch(dev)
     check_attention(dev)
     check_qkv_post_and_store(dev)

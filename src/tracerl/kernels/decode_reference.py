@@ -12,10 +12,13 @@ import math
 import torch
 
 from tracerl import fp4
+from tracerl.kernels.fp4_swizzle import SwizzledFP4
 
 
 def exact_values(q: fp4.FP4Tensor) -> torch.Tensor:
     """float32 c * s8 (the block-scaled code, without the global scale): what the kernel dots."""
+    if isinstance(q, SwizzledFP4):
+        q = q.natural()
     codes = fp4.unpack_codes(q).to(torch.int64)
     vals = fp4.E2M1_VALUES.to(codes.device)[codes]
     s = q.scales.to(torch.float32)

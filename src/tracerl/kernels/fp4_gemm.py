@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
+from tracerl.kernels import fp4_quant
 from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
     dispatch_reference,
     exact_values,
@@ -51,6 +52,7 @@ from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the 
     route_reference,
 )
 from tracerl.kernels.fp4_numerics import _e4m3_value
+from tracerl.kernels.fp4_swizzle import SwizzledFP4
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter's BF16 arithmetic is broken (Triton 3.6: NaN products, wrong BF16 dots), so under
@@ -75,6 +77,11 @@ TMA_W = False
 # no variant won everywhere (bench/RESULTS.md, fourth session): TMA_W won only the w4a16 down GEMM
 # (-12%); elsewhere the plain kernel won or tied within 1%, so the default lists that one kind.
 KERNEL_VARIANT: dict[tuple[bool, bool, bool], tuple[bool, bool, bool]] = {(True, False, False): (False, False, True)}
+# w4a4: dequantize the FP4 activations once to their exact BF16 c * s8 (one small kernel) and run
+# the BF16-activation GEMM with the per-row 1 / gs_a in the epilogue, instead of dequantizing them
+# inside the K loop. The loop's A tile is a dot operand every warp holds whole, so in-loop each of
+# the 4-8 warps redid it (Nsight Compute: the w4a4 GEMMs at 71-82% of issue slots). Same products.
+DEQUANT_A = True
 
 # 4 packed bytes ($4) -> low nibbles as 4 bf16 ($0, $1) and high nibbles ($2, $3), exact E2M1 values
 _NIBBLES_TO_BF16 = tl.constexpr("""
@@ -110,6 +117,37 @@ or.b32 a, a, b;
 fma.rn.bf16x2 $3, a, k, z;
 }
 """)
+
+
+# 4 swizzled bytes ($4, kernels/fp4_swizzle.py) and 4 BF16 scales*2**117 ($5: elements 0-1, $6: 2-3) ->
+# even codes c*s8*2**-9 ($0, $1) and odd ones ($2, $3): three and-masks (two after a shift), one
+# three-part gather, and one bf16x2 multiply per pair that also applies the block scale
+_SWZ_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 a, b, c, z;
+mov.b32 z, 0x80008000;
+and.b32 a, $4, 0x81C081C0;
+fma.rn.bf16x2 $0, a, $5, z;
+shl.b32 a, $4, 3;
+and.b32 a, a, 0x81C081C0;
+fma.rn.bf16x2 $1, a, $6, z;
+shl.b32 a, $4, 6;
+and.b32 a, a, 0x81C081C0;
+fma.rn.bf16x2 $2, a, $5, z;
+shl.b32 a, $4, 1;
+and.b32 a, a, 0x80008000;
+shr.b32 b, $4, 3;
+and.b32 b, b, 0x01800180;
+shr.b32 c, $4, 7;
+and.b32 c, c, 0x00400040;
+or.b32 a, a, b;
+or.b32 a, a, c;
+fma.rn.bf16x2 $3, a, $6, z;
+}
+""")
+C_SWZ_PORTABLE = tl.constexpr(1.1754943508222875e-38)  # 2**-126: S * 2**-126 = s8 * 2**-9, as the PTX makes
+C_SWZ_MASK = tl.constexpr(0x81C081C0 - 2**32)  # fp4_swizzle.MASK as int32
+C_SWZ_SIGNS = tl.constexpr(0x80008000 - 2**32)
 
 
 # ----------------------------------------------------------------------------- register dequant
@@ -155,6 +193,55 @@ def _block_scales(s_bytes, R: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, F
     if not F32:
         s = s.to(tl.bfloat16)
     return tl.reshape(tl.broadcast_to(s[:, :, None], (R, NB, W)), (R, NB * W))
+
+
+@triton.jit
+def _swz_half_value(h):
+    """BF16-positioned bits (sign 15, e1 e0 m at 8 7 6) of an int32 half -> the E2M1 value (float32)."""
+    return _e2m1_f32(((h >> 12) & 8) | ((h >> 6) & 7))
+
+
+@triton.jit
+def _swz_nibbles(p, R: tl.constexpr, C: tl.constexpr):
+    """Swizzled packed bytes (R, C) -> (even, odd) E2M1 values float32 (R, C), by the PTX's own bit
+    operations on each 4-byte word (the portable path: interpreter, or the PTX switched off)."""
+    b = tl.reshape(p.to(tl.int32), (R, C // 4, 2, 2))  # [.., i1, i0]: byte 2*i1 + i0 of a word
+    x0, x1 = tl.split(b)  # bytes (0, 2), (1, 3)
+    b0, b2 = tl.split(x0)
+    b1, b3 = tl.split(x1)
+    w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    r0 = w & C_SWZ_MASK
+    r1 = (w << 3) & C_SWZ_MASK
+    r2 = (w << 6) & C_SWZ_MASK
+    r3 = ((w << 1) & C_SWZ_SIGNS) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)
+    # lane order within a word: (r0 low, r0 high, r1 low, r1 high) are the even codes k0, k2, k4, k6
+    ev = tl.join(tl.join(_swz_half_value(r0), _swz_half_value(r1)),
+                 tl.join(_swz_half_value(r0 >> 16), _swz_half_value(r1 >> 16)))
+    od = tl.join(tl.join(_swz_half_value(r2), _swz_half_value(r3)),
+                 tl.join(_swz_half_value(r2 >> 16), _swz_half_value(r3 >> 16)))
+    return tl.reshape(ev, (R, C)), tl.reshape(od, (R, C))
+
+
+@triton.jit
+def _w_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr):
+    """(even, odd) tiles (R, BK//2) of a weight: c * s8, or with SWZ (swizzled codes) c * s8 * 2**-9."""
+    if SWZ:
+        sbits = sb.to(tl.int32) * 16 + 30080  # BF16 bits of s8 * 2**117 (fp4_swizzle.scale_bytes)
+        if ASM:
+            s = tl.reshape(tl.broadcast_to(sbits.to(tl.int16).to(tl.bfloat16, bitcast=True)[:, :, None],
+                                           (R, BK // 16, 8)), (R, BK // 2))
+            ev, od = tl.inline_asm_elementwise(_SWZ_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, s],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            sv = (sbits << 16).to(tl.float32, bitcast=True) * C_SWZ_PORTABLE
+            s = tl.reshape(tl.broadcast_to(sv[:, :, None], (R, BK // 16, 8)), (R, BK // 2))
+            ev, od = _swz_nibbles(p, R, BK // 2)
+            ev, od = ev * s, od * s
+            if not F32:
+                ev, od = ev.to(tl.bfloat16), od.to(tl.bfloat16)
+    else:
+        ev, od = _fp4_dequant(p, sb, R, BK, ASM, F32)
+    return ev, od
 
 
 @triton.jit
@@ -219,7 +306,7 @@ def _grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
-    SWAP: tl.constexpr, TMA: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr, SWZ: tl.constexpr, A_GS: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
@@ -233,6 +320,8 @@ def _grouped_gemm_kernel(
     ws_e = ws_ptr + e.to(tl.int64) * sse
     if W_FP4:
         inv_gw = 1.0 / tl.load(wg_ptr + e)
+        if SWZ:
+            inv_gw = inv_gw * 512.0  # swizzled weights enter the dot as c * s8 * 2**-9
     else:
         inv_gw = 1.0
     if e >= 0:
@@ -282,11 +371,11 @@ def _grouped_gemm_kernel(
                     if F32:
                         a = a.to(tl.float32)
                     a_ev, a_od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-                w_ev, w_od = _fp4_dequant(pw, sw, BN, BK, ASM, F32)
+                w_ev, w_od = _w_dequant(pw, sw, BN, BK, ASM, F32, SWZ)
                 acc = _mma(a_ev, w_ev, acc, SWAP)
                 acc = _mma(a_od, w_od, acc, SWAP)
                 if SWIGLU:
-                    u_ev, u_od = _fp4_dequant(pu, su, BN, BK, ASM, F32)
+                    u_ev, u_od = _w_dequant(pu, su, BN, BK, ASM, F32, SWZ)
                     acc2 = _mma(a_ev, u_ev, acc2, SWAP)
                     acc2 = _mma(a_od, u_od, acc2, SWAP)
                 if PF and not TMA:
@@ -307,7 +396,7 @@ def _grouped_gemm_kernel(
             acc = tl.trans(acc)
             acc2 = tl.trans(acc2)
         scale = tl.zeros((BM,), dtype=tl.float32) + inv_gw
-        if A_FP4:
+        if A_FP4 or A_GS:  # (A_GS: BF16 c * s8 activations whose per-row global scale is still to divide)
             scale = scale / tl.load(ag_ptr + arow, mask=rmask, other=1.0)
         acc = acc * scale[:, None]
         omask = rmask[:, None] & cmask[None, :]
@@ -421,7 +510,7 @@ def grouped_gemm(
         if w.fmt != "nvfp4":
             raise ValueError("grouped_gemm takes NVFP4 weights (blocks of 16, E4M3 scales)")
         wc = w.codes
-        ws = w.scales.view(torch.uint8)
+        ws = w.scales.view(torch.uint8)  # (SwizzledFP4: already uint8 kernel scale bytes)
         wg = w.global_scale.reshape(E).to(torch.float32).contiguous()
         if wc.stride(-1) != 1 or ws.stride(-1) != 1:
             raise ValueError("weight codes and scales need a unit stride along K")
@@ -431,6 +520,13 @@ def grouped_gemm(
         if w.stride(-1) != 1:
             raise ValueError("BF16 weights need a unit stride along K")
         swe, swn, sse, ssn = w.stride(0), w.stride(1), 0, 0
+    kind = (w_fp4, a_fp4, swiglu)  # TUNED / KERNEL_VARIANT key: the formats as called
+    a_gs = False
+    if a_fp4 and DEQUANT_A:
+        ag = a.global_scale.reshape(-1).to(torch.float32)
+        a = fp4_quant.dequantize(fp4.FP4Tensor(a.codes, a.scales, _ones(a.codes.device), a.fmt, a.shape))
+        a = a.reshape(-1, K)
+        a_fp4, a_gs = False, True
     if a_fp4:
         ac = a.codes.reshape(-1, K // 2)
         asc = a.scales.view(torch.uint8).reshape(-1, K // 16)
@@ -439,7 +535,9 @@ def grouped_gemm(
     else:
         if a.dtype != torch.bfloat16 or a.shape[-1] != K or a.stride(-1) != 1:
             raise ValueError(f"a must be BF16 (R, {K}) with unit stride, got {a.dtype} {tuple(a.shape)}")
-        ac, asc, ag, sa, sas = a, a, a, a.stride(0), 0
+        ac, asc, sa, sas = a, a, a.stride(0), 0
+        if not a_gs:
+            ag = a
     R = ac.shape[0]
     N = n_rows if n_rows is not None else (row_idx.numel() if row_idx is not None else R)
     NOUT = O // 2 if swiglu else O
@@ -453,7 +551,7 @@ def grouped_gemm(
     if rows_per_group is None:
         rows_per_group = N / max(E, 1)
     if config is None:
-        bn, bk, nw, *ns = TUNED.get((w_fp4, a_fp4, swiglu), (64, 128, 4))
+        bn, bk, nw, *ns = TUNED.get(kind, (64, 128, 4))
         bm = tiles[2] if tiles is not None else pick_bm(rows_per_group)
         bk = bk if K % bk == 0 else 64
     else:
@@ -464,7 +562,7 @@ def grouped_gemm(
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     dummy = offsets
-    prefetch, swap, tma = KERNEL_VARIANT.get((w_fp4, a_fp4, swiglu), (PREFETCH, SWAP_AB, TMA_W))
+    prefetch, swap, tma = KERNEL_VARIANT.get(kind, (PREFETCH, SWAP_AB, TMA_W))
     tma = tma and w_fp4
     wd = dummy
     if tma:
@@ -482,10 +580,20 @@ def grouped_gemm(
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
         SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
-        SWAP=swap and w_fp4, TMA=tma, num_warps=nw,
+        SWAP=swap and w_fp4, TMA=tma, SWZ=isinstance(w, SwizzledFP4), A_GS=a_gs, num_warps=nw,
         num_stages=ns,
     )
     return out
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device` (the global scale that makes `dequantize` return c * s8), made once."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _ONES[device]
 
 
 def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor, out_f32: bool = False) -> torch.Tensor:
@@ -493,8 +601,8 @@ def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor,
     w3 = w
     if isinstance(w, fp4.FP4Tensor):
         O, K = w.shape
-        w3 = fp4.FP4Tensor(w.codes.reshape(1, O, K // 2), w.scales.reshape(1, O, K // 16),
-                           w.global_scale.reshape(1), w.fmt, torch.Size((1, O, K)))
+        w3 = type(w)(w.codes.reshape(1, O, K // 2), w.scales.reshape(1, O, K // 16),  # (stays swizzled)
+                     w.global_scale.reshape(1), w.fmt, torch.Size((1, O, K)))
     else:
         w3 = w.unsqueeze(0)
     M = x.shape[0]
@@ -533,6 +641,55 @@ def selfcheck(device: torch.device | str = "cuda") -> str:
         USE_ASM = True
         return "asm ok"
     return f"asm off: differs from the portable path (max abs diff {(y_asm - y_ref).abs().max().item():.3g})"
+
+
+SWIZZLE = True  # the decoder stores FP4 weights swizzled (fp4_swizzle.py) where `swizzle_check` passes
+_SWIZZLE_STATUS: dict[str, str] = {}
+
+
+def swizzle_check(device: torch.device | str = "cuda") -> str:
+    """Run the GEMM on swizzled weights against the same GEMM on natural ones, once per device type.
+
+    'swizzle ok' when every output is equal bit for bit (float32 and SwiGLU outputs, the current
+    nibble path); else 'swizzle off: <reason>', and `for_kernels` keeps weights natural. The PTX
+    assumes each 4-byte group it is handed is one word of the row (the compiler's register layout):
+    this is what would catch a compiler that groups bytes otherwise.
+    """
+    kind = torch.device(device).type
+    if kind in _SWIZZLE_STATUS:
+        return _SWIZZLE_STATUS[kind]
+    if kind == "cpu" and not INTERPRET:
+        return "swizzle off: the kernels run on CUDA or in the interpreter"
+    g = torch.Generator(device="cpu").manual_seed(2)
+    E, O, K, R = 3, 64, 256, 40
+    w = fp4.quantize(torch.randn(E, O, K, generator=g) * 0.02, "nvfp4",
+                     global_scale=torch.tensor([900.0, 3000.0, 17.0]).reshape(E, 1, 1)).to(device)
+    sw = SwizzledFP4.of(w)
+    a = torch.randn(R, K, generator=g).to(device=device, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 25, 40], dtype=torch.int32, device=device)
+    try:
+        same = all(torch.equal(grouped_gemm(a, w, offs, **kw), grouped_gemm(a, sw, offs, **kw))
+                   for kw in ({"out_f32": True}, {"swiglu": True}))
+    except Exception as e:  # a PTX or lowering error: keep natural weights
+        status = f"swizzle off: {type(e).__name__}: {str(e)[:200]}"
+    else:
+        status = "swizzle ok" if same else "swizzle off: differs from natural weights"
+    _SWIZZLE_STATUS[kind] = status
+    return status
+
+
+def for_kernels(w):
+    """A weight as the decode GEMMs read it fastest: NVFP4 swizzled when SWIZZLE and `swizzle_check`
+    passed on its device; anything else unchanged."""
+    if (not SWIZZLE or not isinstance(w, fp4.FP4Tensor) or isinstance(w, SwizzledFP4) or w.fmt != "nvfp4"
+            or w.codes.shape[-1] % 4):
+        return w
+    if swizzle_check(w.codes.device) != "swizzle ok":
+        return w
+    try:
+        return SwizzledFP4.of(w)
+    except ValueError:  # a zero / NaN block scale (not from our quantizer): keep the natural layout
+        return w
 
 
 # ----------------------------------------------------------------------------- routing and dispatch

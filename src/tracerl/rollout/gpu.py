@@ -225,7 +225,7 @@ class DecoderWeights:
             ))
         embed = get("embed.weight")
         head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        return cls(cfg, recipe, embed, head, get("norm.weight"), layers)
+        return cls(cfg, recipe, embed, head, get("norm.weight"), _for_kernels(layers))
 
     @classmethod
     @torch.no_grad()
@@ -258,7 +258,16 @@ class DecoderWeights:
             ))
         embed = rnd(cfg.vocab_size, D)
         head = embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, D)
-        return cls(cfg, recipe, embed, head, ones, layers)
+        return cls(cfg, recipe, embed, head, ones, _for_kernels(layers))
+
+
+def _for_kernels(layers: list[LayerWeights]) -> list[LayerWeights]:
+    """FP4 linears and experts in the layout the GEMMs read fastest (fp4_gemm.for_kernels: swizzled
+    codes where the device's check passed), in place."""
+    for lw in layers:
+        for f in ("wqkv", "wo", "gate_up", "down"):
+            setattr(lw, f, fg.for_kernels(getattr(lw, f)))
+    return layers
 
 
 def quantize_weight(w: torch.Tensor) -> fp4.FP4Tensor:
