@@ -45,7 +45,7 @@ SWEEP = [(64, 128, 4, 3)] + [c for c in itertools.product((32, 64, 128), (128, 2
 class Layer:
     """One layer's expert weights (BF16 and NVFP4) and a batch's routed activations."""
 
-    def __init__(self, batch: int, seed: int = 0):
+    def __init__(self, batch: int, seed: int = 0, bm: int | None = None):
         cfg = get_config("qwen3-30b-a3b")
         dev = "cuda"
         g = torch.Generator(device=dev).manual_seed(seed)
@@ -58,7 +58,7 @@ class Layer:
         ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
         self.offs, self.tok, self.pair, self.gs = fg.dispatch(ids, gates, E)
         frac = int((torch.diff(self.offs, prepend=self.offs[:1] * 0) > 0).sum()) / E
-        self.bm = fg.pick_bm(batch * K / E)
+        self.bm = bm or fg.pick_bm(batch * K / E)
         self.y = torch.zeros(batch * K, D, device=dev)
         self.h = torch.randn(batch * K, F, device=dev, generator=g).bfloat16()
         self.xq = kernels.quantize(self.x, "nvfp4", per_row_global=True)
@@ -161,13 +161,18 @@ def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], o
 
     for batch in batches:
         layer = Layer(batch)
-        for kind, fmt in itertools.product(("gu", "dn"), fmts):
-            nb = layer.nbytes(kind, fmt)
+        todo = [(layer, kind, fmt, configs if fmt in full else configs[:1])
+                for kind, fmt in itertools.product(("gu", "dn"), fmts)]
+        if layer.bm == 16 and batch >= 64:  # larger row tiles: one tile (one weight pass) for more experts
+            big = Layer(batch, bm=32)
+            todo += [(big, kind, fmt, configs[:1]) for kind, fmt in itertools.product(("gu", "dn"), fmts) if fmt in full]
+        for lay, kind, fmt, cfgs in todo:
+            nb = lay.nbytes(kind, fmt)
             best = None
-            for c in configs if fmt in full else configs[:1]:
-                r = {"kind": kind, "fmt": fmt, "batch": batch, "config": list(c), "bm": layer.bm}
+            for c in cfgs:
+                r = {"kind": kind, "fmt": fmt, "batch": batch, "config": list(c), "bm": lay.bm}
                 try:
-                    ms = graph_ms(layer.call(kind, fmt, c))
+                    ms = graph_ms(lay.call(kind, fmt, c))
                     r.update(ms=ms, GBps=nb / ms / 1e6, roofline_frac=nb / bw / (ms * 1e-3))
                     if best is None or ms < best["ms"]:
                         best = r
