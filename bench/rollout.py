@@ -77,7 +77,29 @@ def max_batch(cfg, kv4: bool, max_len: int, cap: int, margin_gib: float = 4.0) -
     return max(0, min(b, cap))
 
 
-def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: float, bf16_experts: str) -> dict:
+def kernel_profile(step, n: int) -> dict:
+    """Device time per step of each kernel name over n replays of `step` (torch.profiler/CUPTI sees
+    the kernels inside a CUDA graph): where the step's time goes, and how much of it is idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = ev.self_cuda_time_total
+        if us > 0:
+            rows.append({"kernel": ev.key[:120], "calls_per_step": ev.count / n, "us_per_step": us / n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"kernel_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3, "kernels": rows[:25]}
+
+
+def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: float, bf16_experts: str,
+              profile_steps: int = 0) -> dict:
     cfg = w.cfg
     max_len = ctx + warmup + steps + 2
     torch.cuda.reset_peak_memory_stats()
@@ -106,6 +128,11 @@ def run_point(w: DecoderWeights, B: int, ctx: int, steps: int, warmup: int, bw: 
         "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB, "setup_s": setup_s, "outputs_ok": ok,
         "graph": dec.graph is not None,
     }
+    if profile_steps:
+        try:
+            res["profile"] = kernel_profile(dec.step, profile_steps)
+        except Exception as e:  # a profiler failure must not lose the timing
+            res["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     del dec
     gc.collect()
     torch.cuda.empty_cache()
@@ -306,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-layers", default="3,6")
     ap.add_argument("--peer-context", type=int, default=1024)
     ap.add_argument("--peer-new-tokens", type=int, default=8)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also time each kernel of the step over N replays (torch.profiler); prints the top ones")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
     ap.add_argument("--out", default="out/rollout.json")
     ap.add_argument("--merge", nargs="+", help="combine result JSONs of one session (sweep + peer) into --out")
@@ -369,11 +398,18 @@ def main(argv=None) -> int:
                     print(f"[{rname}] ctx={ctx} B={B}: does not fit (largest {mb_fit})", flush=True)
                     continue
                 try:
-                    r = run_point(w, B, ctx, args.steps, args.warmup, bw, bf16_experts)
+                    r = run_point(w, B, ctx, args.steps, args.warmup, bw, bf16_experts, args.profile)
                     r.update(base)
                     print(f"[{rname}] ctx={ctx} B={B}: {r['ms_per_step']:.2f} ms/step {r['tok_per_s']:.0f} tok/s "
                           f"roofline {r['roofline_frac']:.2f} ({r['achieved_GBps']:.0f} GB/s) "
                           f"peak {r['peak_mem_gib']:.1f} GiB setup {r['setup_s']:.1f}s ok={r['outputs_ok']}", flush=True)
+                    prof = r.get("profile", {})
+                    if "kernels" in prof:
+                        print(f"    kernels {prof['kernel_ms_per_step']:.2f} ms/step of {r['ms_per_step']:.2f}:", flush=True)
+                        for k in prof["kernels"][:14]:
+                            print(f"    {k['us_per_step']:8.0f} us {k['calls_per_step']:6.0f}x  {k['kernel'][:90]}", flush=True)
+                    elif prof:
+                        print(f"    profile: {prof}", flush=True)
                 except Exception as e:
                     r = {**base, "error": f"{type(e).__name__}: {str(e)[:500]}"}
                     print(f"[{rname}] ctx={ctx} B={B}: ERROR {r['error']}", flush=True)
