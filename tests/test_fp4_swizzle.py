@@ -78,6 +78,23 @@ def test_swizzled_weight_keeps_values_and_bytes():
     assert torch.equal(fp4.dequantize(n, torch.float32), fp4.dequantize(q, torch.float32))
 
 
+def test_zero_scale_blocks_keep_their_zero_values():
+    """A foreign checkpoint's all-zero block may carry scale 0 (no kernel byte): swizzled, it reads
+    as zero codes under the smallest scale, the same values; a NaN scale is still refused."""
+    g = torch.Generator().manual_seed(4)
+    q = fp4.quantize(torch.randn(2, 8, 64, generator=g), "nvfp4", global_scale=torch.tensor([7.0, 300.0]).reshape(2, 1, 1))
+    raw = q.scales.view(torch.uint8).clone()
+    raw[0, 3, 1] = 0
+    raw[1, 0, 0] = 0
+    q = fp4.FP4Tensor(q.codes, raw.view(torch.float8_e4m3fn), q.global_scale, q.fmt, q.shape)
+    s = S.SwizzledFP4.of(q)
+    assert torch.equal(ref.exact_values(s), ref.exact_values(q))
+    assert float(fp4.dequantize(s.natural(), torch.float32)[0, 3, 16:32].abs().sum()) == 0.0
+    raw[0, 0, 0] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        S.SwizzledFP4.of(fp4.FP4Tensor(q.codes, raw.view(torch.float8_e4m3fn), q.global_scale, q.fmt, q.shape))
+
+
 def test_swizzle_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of 4"):
         S.swizzle_codes(torch.zeros(2, 6, dtype=torch.uint8))

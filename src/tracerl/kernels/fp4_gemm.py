@@ -688,7 +688,7 @@ def for_kernels(w):
         return w
     try:
         return SwizzledFP4.of(w)
-    except ValueError:  # a zero / NaN block scale (not from our quantizer): keep the natural layout
+    except ValueError:  # a negative or NaN block scale (a broken checkpoint): keep the natural layout
         return w
 
 

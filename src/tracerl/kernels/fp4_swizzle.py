@@ -21,7 +21,9 @@ S = s8 * 2**117 in BF16, whose exponent field lies in [235, 252] and whose manti
 (every E4M3 value, subnormals included, normalizes so), so one byte b = (field - 235) << 3 | mantissa
 holds it and the kernel rebuilds S's BF16 bits as b * 16 + 30080 (one integer multiply-add)
 instead of decoding E4M3 (normal / subnormal paths, a select, two multiplies). Zero, negative and
-NaN E4M3 scales have no such byte (NVFP4 quantizers write none; `SwizzledFP4.of` refuses them).
+NaN E4M3 scales have no such byte (`scale_bytes` refuses them; `SwizzledFP4.of` stores a zero-scale
+block, whose values are all zero, as zero codes under the smallest byte, so `natural()` gives that
+block scale 2**-9 and the same values).
 
 `swizzle_codes` / `unswizzle_codes` and `scale_bytes` / `e4m3_scales` are exact inverses;
 `decode_swizzled` is the PTX's arithmetic in torch (the tests check both against the natural codes).
@@ -166,10 +168,18 @@ class SwizzledFP4(fp4.FP4Tensor):
             return t
         if t.fmt != "nvfp4":
             raise ValueError(f"only NVFP4 weights are swizzled, got {t.fmt}")
-        return cls(swizzle_codes(t.codes), scale_bytes(t.scales), t.global_scale, t.fmt, t.shape)
+        codes, scales = t.codes, t.scales
+        zero = scales.view(torch.uint8) == 0
+        if bool(zero.any()):
+            # a zero-scale block (an all-zero block in a foreign checkpoint) is zero whatever its
+            # codes: zero codes under the smallest scale byte give the same values, bit for bit
+            blocks = codes.reshape(*scales.shape, -1)
+            codes = blocks.masked_fill(zero[..., None], 0).reshape(codes.shape)
+            scales = scales.view(torch.uint8).masked_fill(zero, 1).view(torch.float8_e4m3fn)  # 1: 2**-9
+        return cls(swizzle_codes(codes), scale_bytes(scales), t.global_scale, t.fmt, t.shape)
 
     def natural(self) -> fp4.FP4Tensor:
-        """The plain FP4Tensor of the same values."""
+        """The plain FP4Tensor of the same values (the same codes and scales unless a block scale was zero)."""
         return fp4.FP4Tensor(unswizzle_codes(self.codes), e4m3_scales(self.scales), self.global_scale, self.fmt,
                              self.shape)
 
