@@ -161,7 +161,9 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     D, E, Fw, K = cfg.hidden_size, cfg.num_experts, cfg.expert_size, cfg.top_k
     wgu = (torch.randn(E, 2 * Fw, D, device=dev, generator=g) * 0.02).bfloat16()
     wdn = (torch.randn(E, D, Fw, device=dev, generator=g) * 0.02).bfloat16()
-    qgu, qdn = quantize_weight(wgu), quantize_weight(wdn)
+    # the layout the decoder runs (swizzled where fp4_gemm.swizzle_check passed), so the tiles and
+    # variants tuned here are the ones the decode sweep's weights want
+    qgu, qdn = fg.for_kernels(quantize_weight(wgu)), fg.for_kernels(quantize_weight(wdn))
     x = torch.randn(batch, D, device=dev, generator=g).bfloat16()
     ids, gates = fg.route(torch.randn(batch, E, device=dev, generator=g), K)
     offs, tok, pair, gs = fg.dispatch(ids, gates, E)
@@ -335,6 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-new-tokens", type=int, default=8)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also time each kernel of the step over N replays (torch.profiler); prints the top ones")
+    ap.add_argument("--profile-batches", default="", help="profile only these batches (default: every point)")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
     ap.add_argument("--out", default="out/rollout.json")
     ap.add_argument("--merge", nargs="+", help="combine result JSONs of one session (sweep + peer) into --out")
@@ -375,6 +378,7 @@ def main(argv=None) -> int:
     env["bf16_experts"] = bf16_experts
     batches = [int(b) for b in args.batches.split(",") if b]
     contexts = [int(c) for c in args.contexts.split(",") if c]
+    prof_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for rname in [r for r in args.recipes.split(",") if r]:
         recipe = qat.Recipe(rname)
         t0 = time.perf_counter()
@@ -398,7 +402,8 @@ def main(argv=None) -> int:
                     print(f"[{rname}] ctx={ctx} B={B}: does not fit (largest {mb_fit})", flush=True)
                     continue
                 try:
-                    r = run_point(w, B, ctx, args.steps, args.warmup, bw, bf16_experts, args.profile)
+                    prof_n = args.profile if not prof_batches or B in prof_batches else 0
+                    r = run_point(w, B, ctx, args.steps, args.warmup, bw, bf16_experts, prof_n)
                     r.update(base)
                     print(f"[{rname}] ctx={ctx} B={B}: {r['ms_per_step']:.2f} ms/step {r['tok_per_s']:.0f} tok/s "
                           f"roofline {r['roofline_frac']:.2f} ({r['achieved_GBps']:.0f} GB/s) "
