@@ -485,7 +485,7 @@ def summarize(result: dict) -> None:
     result["summary"] = {f"{p['recipe']}/b{p['batch']}/ctx{p['context']}": {
         k: p[k] for k in ("tok_per_s", "ms_per_step", "roofline_frac", "peak_mem_gib", "bytes_per_step", "largest")}
         for p in pts}
-    print(f"\ncopy bandwidth {result['env']['copy_GBps']:.0f} GB/s; {result['env']['selfcheck']}")
+    print(f"\ncopy bandwidth {result['env']['copy_GBps']:.0f} GB/s; {result['env']['selfcheck']}; {result['env'].get('swizzle', '')}")
     print(f"{'recipe':8} {'ctx':>5} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'GB/step':>8} {'roofline':>8} {'peak GiB':>8}")
     for p in result["points"]:
         if "ms_per_step" in p:
