@@ -34,6 +34,7 @@ import torch
 from tracerl import qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
+from tracerl.kernels.fp4_swizzle import SwizzledFP4
 from tracerl.model.config import get_config
 from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, quantize_weight
 
@@ -209,6 +210,8 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
             key, fmt = (True, a4_, kind == "gu"), "w4a4" if a4_ else "w4a16"
             found = {}
             for var, flags in VARIANTS.items():
+                if flags[1] and isinstance(w4, SwizzledFP4) and fg.USE_ASM:
+                    continue  # SWAP_AB refuses swizzled weights (fp4_gemm.grouped_gemm says why)
                 fg.KERNEL_VARIANT[key] = flags
                 name = f"{kind} {fmt} triton {var}"
                 cfg_v = min(cfgs, key=lambda c: rec(name, mk(w4, act, c), b4[kind], config=c))

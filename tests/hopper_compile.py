@@ -139,9 +139,12 @@ def compile_variants(log: list, regs: bool = False) -> None:
                             fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, out_f32=True)
                             fg.grouped_gemm(x, w, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         fg.grouped_gemm(xq, q_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
-                        for w in (w_dn, q_dn, s_dn):
+                        for w in (w_dn, q_dn):
                             fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+                        if fg.SWAP_AB and fg.USE_ASM:
+                            continue  # grouped_gemm refuses swizzled weights as the dot's left operand
                         # swizzled weights (fp4_swizzle.py), and w4a4 with its activations dequantized in the loop
+                        fg.grouped_gemm(h, s_dn, offs, dst_idx=pair, gate=gs, out=out)
                         fg.grouped_gemm(x, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         fg.DEQUANT_A = False
                         fg.grouped_gemm(xq, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)

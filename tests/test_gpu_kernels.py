@@ -123,7 +123,9 @@ def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
     saved = fg.SWAP_AB, fg.TMA_W, dict(fg.KERNEL_VARIANT)
     fg.KERNEL_VARIANT.clear()
     try:
-        for fg.SWAP_AB, fg.TMA_W in ((False, False), (True, False), (False, True)):
+        # SWAP_AB on swizzled weights is refused where the PTX nibble path runs (grouped_gemm says why)
+        variants = ((False, False), (False, True)) if fg.USE_ASM else ((False, False), (True, False), (False, True))
+        for fg.SWAP_AB, fg.TMA_W in variants:
             for a in (x, xq):
                 for kw in ({"out_f32": True}, {"swiglu": True}):
                     y0 = fg.grouped_gemm(a, q_gu, offs, row_idx=tok, n_rows=N, **kw)
@@ -133,6 +135,11 @@ def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
             for w, out in zip((q_dn, s_dn), outs):
                 fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
             assert torch.equal(*outs)
+        if fg.USE_ASM:
+            fg.SWAP_AB, fg.TMA_W = True, False
+            with pytest.raises(ValueError, match="SWAP_AB does not run on swizzled"):
+                fg.grouped_gemm(x, s_gu, offs, row_idx=tok, n_rows=N, swiglu=True)
+            fg.grouped_gemm(x, q_gu, offs, row_idx=tok, n_rows=N, swiglu=True)  # natural weights still swap
     finally:
         fg.SWAP_AB, fg.TMA_W = saved[:2]
         fg.KERNEL_VARIANT.clear()
@@ -352,6 +359,24 @@ def test_attention_reference_matches_engine_split_kv():
     mask = (torch.arange(T)[None] < lens[:, None])[:, None, None]
     e = split_kv_attention(q[:, None], k, v, mask).transpose(1, 2).reshape(B, H * Dh)
     assert _rel(ref.decode_attention_reference(q, lens, k=k, v=v), e) < 1e-6
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_swap_ab_is_refused_on_swizzled_weights(monkeypatch):
+    """The refusal precedes any launch, so CPU tensors reach it: SWAP_AB with the PTX path on swizzled weights."""
+    from tracerl.kernels.fp4_swizzle import SwizzledFP4
+
+    w = qat.quantize_weight(torch.randn(3, 64, 128).bfloat16(), "nvfp4")
+    sw, x, offs = SwizzledFP4.of(w), torch.randn(8, 128).bfloat16(), torch.tensor([2, 5, 8], dtype=torch.int32)
+    monkeypatch.setattr(fg, "USE_ASM", True)
+    monkeypatch.setattr(fg, "SWAP_AB", False)
+    monkeypatch.setattr(fg, "KERNEL_VARIANT", {(True, False, True): (False, True, False)})  # tuned: swap
+    with pytest.raises(ValueError, match="SWAP_AB does not run on swizzled"):
+        fg.grouped_gemm(x, sw, offs, swiglu=True)
+    monkeypatch.setattr(fg, "KERNEL_VARIANT", {})
+    monkeypatch.setattr(fg, "SWAP_AB", True)
+    with pytest.raises(ValueError, match="SwizzledFP4.natural"):
+        fg.grouped_gemm(x, sw, offs, out_f32=True)
 
 
 # ----------------------------------------------------------------------------- interpreter

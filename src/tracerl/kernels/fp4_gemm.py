@@ -521,6 +521,14 @@ def grouped_gemm(
             raise ValueError("BF16 weights need a unit stride along K")
         swe, swn, sse, ssn = w.stride(0), w.stride(1), 0, 0
     kind = (w_fp4, a_fp4, swiglu)  # TUNED / KERNEL_VARIANT key: the formats as called
+    prefetch, swap, tma = KERNEL_VARIANT.get(kind, (PREFETCH, SWAP_AB, TMA_W))
+    swz = isinstance(w, SwizzledFP4)
+    if swap and swz and USE_ASM:
+        # the swizzled PTX decodes 4 bytes a thread holds as one 32-bit word; as the dot's left
+        # operand the weight tile takes the MMA operand layout, whose 4 bytes a thread holds are not
+        # one word (H100: outputs unrelated to the natural weights'), so the pair is refused
+        raise ValueError("SWAP_AB does not run on swizzled FP4 weights: pass the natural FP4Tensor "
+                         "(SwizzledFP4.natural()) or drop SWAP_AB for this GEMM kind (fp4_gemm.KERNEL_VARIANT)")
     a_gs = False
     if a_fp4 and DEQUANT_A:
         ag = a.global_scale.reshape(-1).to(torch.float32)
@@ -562,7 +570,6 @@ def grouped_gemm(
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     dummy = offsets
-    prefetch, swap, tma = KERNEL_VARIANT.get(kind, (PREFETCH, SWAP_AB, TMA_W))
     tma = tma and w_fp4
     wd = dummy
     if tma:
@@ -580,7 +587,7 @@ def grouped_gemm(
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
         SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
-        SWAP=swap and w_fp4, TMA=tma, SWZ=isinstance(w, SwizzledFP4), A_GS=a_gs, num_warps=nw,
+        SWAP=swap and w_fp4, TMA=tma, SWZ=swz, A_GS=a_gs, num_warps=nw,
         num_stages=ns,
     )
     return out
@@ -651,9 +658,10 @@ def swizzle_check(device: torch.device | str = "cuda") -> str:
     """Run the GEMM on swizzled weights against the same GEMM on natural ones, once per device type.
 
     'swizzle ok' when every output is equal bit for bit (float32 and SwiGLU outputs, the current
-    nibble path); else 'swizzle off: <reason>', and `for_kernels` keeps weights natural. The PTX
-    assumes each 4-byte group it is handed is one word of the row (the compiler's register layout):
-    this is what would catch a compiler that groups bytes otherwise.
+    nibble path, each kernel variant a tuner may pick); else 'swizzle off: <reason>', and
+    `for_kernels` keeps weights natural. The PTX assumes each 4-byte group it is handed is one word
+    of the row (the compiler's register layout): this is what catches a compiler that groups bytes
+    otherwise (as it does for SWAP_AB's MMA operand layout, which grouped_gemm therefore refuses).
     """
     kind = torch.device(device).type
     if kind in _SWIZZLE_STATUS:
@@ -667,13 +675,21 @@ def swizzle_check(device: torch.device | str = "cuda") -> str:
     sw = SwizzledFP4.of(w)
     a = torch.randn(R, K, generator=g).to(device=device, dtype=torch.bfloat16)
     offs = torch.tensor([10, 25, 40], dtype=torch.int32, device=device)
+    saved = dict(KERNEL_VARIANT)
     try:
-        same = all(torch.equal(grouped_gemm(a, w, offs, **kw), grouped_gemm(a, sw, offs, **kw))
-                   for kw in ({"out_f32": True}, {"swiglu": True}))
+        same = True
+        # every variant a tuner may pick for swizzled weights (SWAP_AB refuses them: grouped_gemm)
+        for flags in ((False, False, False), (True, False, False), (False, False, True)):
+            KERNEL_VARIANT[(True, False, False)] = KERNEL_VARIANT[(True, False, True)] = flags
+            same = same and all(torch.equal(grouped_gemm(a, w, offs, **kw), grouped_gemm(a, sw, offs, **kw))
+                                for kw in ({"out_f32": True}, {"swiglu": True}))
     except Exception as e:  # a PTX or lowering error: keep natural weights
         status = f"swizzle off: {type(e).__name__}: {str(e)[:200]}"
     else:
         status = "swizzle ok" if same else "swizzle off: differs from natural weights"
+    finally:
+        KERNEL_VARIANT.clear()
+        KERNEL_VARIANT.update(saved)
     _SWIZZLE_STATUS[kind] = status
     return status
 
