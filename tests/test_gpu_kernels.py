@@ -164,16 +164,22 @@ def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
 
 
 def check_row_tiles(dev: str):
-    offs = torch.tensor([0, 5, 5, 40, 41, 41, 80, 100], dtype=torch.int32, device=dev)
-    for bm in (16, 32):
-        mt = fg.max_row_tiles(8, 100, bm)
-        te, tm = fg.row_tiles(offs, bm, mt)
-        want, s = [], 0
-        for e, t in enumerate(offs.tolist()):
-            want += [(e, m) for m in range(s, t, bm)]
-            s = t
-        got = [(int(a), int(b)) for a, b in zip(te.tolist(), tm.tolist()) if a >= 0]
-        assert got == want and all(int(a) == -1 for a in te.tolist()[len(want):])
+    g = torch.Generator().manual_seed(5)
+    cases = [[0, 5, 5, 40, 41, 41, 80, 100], [100] * 8, [0] * 7 + [100], [1, 2, 3],
+             # many groups, more tiles in one group than a program writes per pass (CH)
+             torch.multinomial(torch.ones(128), 1000, replacement=True, generator=g).bincount(minlength=128)
+             .cumsum(0).tolist(), [0] * 127 + [5000]]
+    for ends in cases:
+        offs = torch.tensor(ends, dtype=torch.int32, device=dev)
+        for bm in (16, 32):
+            mt = fg.max_row_tiles(len(ends), ends[-1], bm)
+            te, tm = fg.row_tiles(offs, bm, mt)
+            want, s = [], 0
+            for e, t in enumerate(ends):
+                want += [(e, m) for m in range(s, t, bm)]
+                s = t
+            got = [(int(a), int(b)) for a, b in zip(te.tolist(), tm.tolist())]
+            assert got[:len(want)] == want and all(a == -1 for a, _ in got[len(want):]), (ends[:8], bm)
 
 
 def check_route_dispatch(dev: str, T=37, E=16, K=4):
