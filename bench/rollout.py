@@ -34,6 +34,7 @@ import torch
 from tracerl import qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
+from tracerl.kernels import fp4_swizzle as fs
 from tracerl.kernels.fp4_swizzle import SwizzledFP4
 from tracerl.model.config import get_config
 from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, quantize_weight
@@ -250,9 +251,17 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     fa.TUNED[False] = min(ATTN_CONFIGS, key=lambda c: rec(
         "attention bf16 kv", lambda: fa.decode_attention(q, lens, k=k, v=v, split_len=sl, block_t=c[0], num_warps=c[1]),
         nb16, config=c, context=ctx))
+    # tuned on the layout the decoder runs (swizzled where fp4_attention.kv_swizzle_check passed);
+    # the natural cache is timed at each config too, for the swizzle's own gain
+    swz = fa.SWIZZLE_KV and fa.kv_swizzle_check(dev) == "swizzle ok"
+    kfs, vfs = ((*fs.swizzle_blocks(t[0], t[1]), t[2]) for t in (kf, vf)) if swz else (kf, vf)
+    for c in ATTN_CONFIGS if swz else ():
+        rec("attention fp4 kv natural", lambda c=c: fa.decode_attention(
+            q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0], num_warps=c[1]), nb4, config=c, context=ctx)
     fa.TUNED[True] = min(ATTN_CONFIGS, key=lambda c: rec(
-        "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0],
-                                                        num_warps=c[1]), nb4, config=c, context=ctx))
+        "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kfs, v_fp4=vfs, split_len=sl, block_t=c[0],
+                                                        num_warps=c[1], swizzled=swz), nb4, config=c, context=ctx,
+        swizzled=swz))
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "gemm_variant": chosen,
                 "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
@@ -354,7 +363,7 @@ def main(argv=None) -> int:
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
-           "swizzle": fg.swizzle_check("cuda")}
+           "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda")}
     import triton
 
     env["triton"] = triton.__version__
@@ -488,7 +497,8 @@ def summarize(result: dict) -> None:
     result["summary"] = {f"{p['recipe']}/b{p['batch']}/ctx{p['context']}": {
         k: p[k] for k in ("tok_per_s", "ms_per_step", "roofline_frac", "peak_mem_gib", "bytes_per_step", "largest")}
         for p in pts}
-    print(f"\ncopy bandwidth {result['env']['copy_GBps']:.0f} GB/s; {result['env']['selfcheck']}; {result['env'].get('swizzle', '')}")
+    print(f"\ncopy bandwidth {result['env']['copy_GBps']:.0f} GB/s; {result['env']['selfcheck']}; {result['env'].get('swizzle', '')}; "
+          f"kv cache {result['env'].get('kv_swizzle', '')}")
     print(f"{'recipe':8} {'ctx':>5} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'GB/step':>8} {'roofline':>8} {'peak GiB':>8}")
     for p in result["points"]:
         if "ms_per_step" in p:

@@ -171,8 +171,10 @@ def compile_variants(log: list, regs: bool = False) -> None:
             for asm in (True, False):
                 fg.USE_ASM = asm
                 fa.decode_attention(q, lens, k=k, v=v, split_len=32)
-                fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
-                                    v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32)
+                for swz in (False, True):  # natural and swizzled (the decoder's) FP4 caches
+                    fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
+                                        v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32,
+                                        swizzled=swz)
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()
@@ -183,7 +185,8 @@ def compile_variants(log: list, regs: bool = False) -> None:
                         H, Hkv, Dh, 1e-6, kc, torch.zeros_like(kc))
             cache = FP4KVCache(2, B, L, Hkv, Dh, device="cpu")
             kv = fp4.quantize(torch.randn(2, B, Hkv, Dh, generator=g), "nvfp4", per_row_global=True)
-            fa.kv_store_fp4(kv, pos, cache.codes[:, 1], cache.scales[:, 1], cache.gscale[:, 1])
+            for swz in (False, True):
+                fa.kv_store_fp4(kv, pos, cache.codes[:, 1], cache.scales[:, 1], cache.gscale[:, 1], swizzle=swz)
 
             xs = torch.randn(B, D, generator=g).bfloat16()
             gpu.add_rmsnorm(xs.clone(), torch.randn(B, 3, D, generator=g), torch.ones(D, dtype=torch.bfloat16), 1e-6,

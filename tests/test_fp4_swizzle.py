@@ -103,3 +103,31 @@ def test_swizzle_rejects_bad_input():
     q = fp4.quantize(torch.randn(4, 64), "mxfp4")
     with pytest.raises(ValueError, match="NVFP4"):
         S.SwizzledFP4.of(q)
+
+
+def test_cache_scale_bytes_are_total_and_keep_nan():
+    raw = torch.arange(256, dtype=torch.uint8)
+    b = S.cache_scale_bytes(raw)
+    ok = (raw > 0) & (raw < 0x7F)
+    assert torch.equal(b[ok], S.scale_bytes(raw[ok].view(torch.float8_e4m3fn)))
+    assert int(b[0]) == 0 and float(S.e4m3_scales(b[:1]).float()) == 2.0**-9  # a zero block's scale
+    assert bool((b[raw >= 0x7F] == S.NAN_BYTE).all())
+    # the kernel's multiplier from that byte (b * 16 + 30080, BF16 bits) is a NaN
+    bits = torch.tensor([S.NAN_BYTE * 16 + 30080], dtype=torch.int32) << 16
+    assert bool(bits.view(torch.float32).isnan().all())
+    assert torch.equal(S.cache_scale_bytes(raw[1:0x7F].view(torch.float8_e4m3fn)), b[1:0x7F])
+    with pytest.raises(ValueError, match="uint8 or float8_e4m3fn"):
+        S.cache_scale_bytes(raw.to(torch.int32))
+
+
+def test_swizzle_blocks_keep_the_values_of_a_kv_row():
+    q = fp4.quantize(torch.randn(3, 5, 2, 64), "nvfp4", per_row_global=True)
+    q.scales.view(torch.uint8)[1, 2] = 0  # zero scales over nonzero codes (a foreign cache): zero values
+    codes, sb = S.swizzle_blocks(q.codes, q.scales)
+    even, odd = S.decode_swizzled(codes)
+    s8 = S.e4m3_scales(sb).float().repeat_interleave(8, -1)
+    got = torch.stack([even, odd], -1).flatten(-2) * s8.repeat_interleave(2, -1)
+    want = fp4.dequantize(fp4.FP4Tensor(q.codes, q.scales, torch.ones(()), "nvfp4", q.shape), torch.float32)
+    assert float(want[1, 2].abs().sum()) == 0 and float(q.codes[1, 2].float().sum()) > 0
+    assert torch.equal(got, want)
+    assert torch.equal(S.unswizzle_codes(codes)[0], q.codes[0])

@@ -27,6 +27,7 @@ import torch
 
 from tracerl import fp4, qat
 from tracerl.kernels import decode_reference as ref
+from tracerl.kernels import fp4_swizzle as S
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:  # installed with the test extra on Linux x86-64; elsewhere only the CPU references run
@@ -207,6 +208,33 @@ def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_
     o = fa.decode_attention(q, lens, k_fp4=kf, v_fp4=vf, split_len=split_len, block_t=block_t)
     r = fa.decode_attention_reference(q, lens, k_fp4=kf, v_fp4=vf)
     assert _rel(o, r) < 8e-3, _rel(o, r)
+    # a swizzled cache (the decoder's) gives the same output bit for bit, zero-scale blocks included
+    kq.scales.view(torch.uint8)[1, 7] = 0  # zero scales over nonzero codes (a foreign cache): zero K there
+    n = [(t.codes.to(dev), t.scales.view(torch.uint8).to(dev), t.global_scale.to(dev)) for t in (kq, vq)]
+    sw = [(*(x.to(dev) for x in S.swizzle_blocks(t.codes, t.scales)), t.global_scale.to(dev)) for t in (kq, vq)]
+    o0 = fa.decode_attention(q, lens, k_fp4=n[0], v_fp4=n[1], split_len=split_len, block_t=block_t)
+    o1 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True)
+    assert torch.equal(o0, o1)
+    assert fa.kv_swizzle_check(dev) == "swizzle ok"
+
+
+def check_kv_store_swizzled(dev: str, B=8, Hkv=2, Dh=128):
+    """The swizzling FP4 store writes fp4_swizzle.swizzle_blocks' bytes, for every one of the 256 scale bytes."""
+    from tracerl.rollout.kvcache import FP4KVCache
+
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 256, (2, B, Hkv, Dh // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randperm(256, generator=g).to(torch.uint8).reshape(2, B, Hkv, Dh // 16)
+    gs = torch.rand(2, B, Hkv, 1, generator=g) * 1000 + 1
+    qq = fp4.FP4Tensor(codes, scales.view(torch.float8_e4m3fn), gs, "nvfp4", torch.Size((2, B, Hkv, Dh))).to(dev)
+    cache = FP4KVCache(2, B, 6, Hkv, Dh, device=dev)
+    pos = torch.tensor([5, 0, 3, 1, 2, 4, 0, 5][:B], dtype=torch.int32, device=dev)
+    fa.kv_store_fp4(qq, pos, cache.codes[:, 1], cache.scales[:, 1], cache.gscale[:, 1], swizzle=True)
+    rows = torch.arange(B, device=dev)
+    want_c, want_s = S.swizzle_blocks(codes, scales)
+    assert torch.equal(cache.codes[:, 1][:, rows, pos.long()].cpu(), want_c)
+    assert torch.equal(cache.scales[:, 1][:, rows, pos.long()].cpu(), want_s)
+    assert torch.equal(cache.gscale[:, 1][:, rows, pos.long()].cpu(), gs)
 
 
 def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10):
@@ -273,6 +301,7 @@ def check_all(dev: str) -> None:
     check_route_dispatch(dev)
     check_attention(dev)
     check_qkv_post_and_store(dev)
+    check_kv_store_swizzled(dev)
     check_norm_and_sample(dev)
 
 
@@ -321,6 +350,8 @@ def check_decoder(dev: str, recipes=("bf16", "w4a16", "w4a4", "w4a4kv4"), B=2, P
             for kv, site in enumerate(("k_cache", "v_cache")):
                 q = fp4.quantize(rec[f"layers.0.attn.{site}"], "nvfp4", per_row_global=True)
                 mine = dec.cache.codes[kv, 0, :, :P].cpu()
+                if dec.kv_swizzled:
+                    mine = S.unswizzle_codes(mine)
                 same = ((mine & 15) == (q.codes & 15)).float().mean() + ((mine >> 4) == (q.codes >> 4)).float().mean()
                 assert same / 2 >= (1.0 if dev == "cpu" else 0.97), (site, float(same / 2))
         toks, lps = dec.decode(3)

@@ -28,13 +28,13 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels import fp4_gemm
+from tracerl.kernels import fp4_gemm, fp4_swizzle
 from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
     decode_attention_reference,
     fp4_rows,
     qkv_post_reference,
 )
-from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_dequant, _fp4_load
+from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_load, _w_dequant
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _decode_attn_kernel(
     len_ptr, po_ptr, pml_ptr,
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
-    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -103,10 +103,13 @@ def _decode_attn_kernel(
             pv_n, sv_n = _fp4_load(vc, vs, tn64, nmask[:, None], sct, sst, 0, DH)
             gk_n = tl.load(kg + tn64 * sgt, mask=nmask, other=1.0)
             gv_n = tl.load(vg + tn64 * sgt, mask=nmask, other=1.0)
-            k_ev, k_od = _fp4_dequant(pk, sk, BT, DH, ASM, F32)
+            k_ev, k_od = _w_dequant(pk, sk, BT, DH, ASM, F32, SWZ)
             s = tl.dot(q_ev, tl.trans(k_ev))
             s = tl.dot(q_od, tl.trans(k_od), s)
-            s = s * (sm_scale / gk)[None, :]
+            if SWZ:  # swizzled K enters the dot as c * s8 * 2**-9: a power of two, so bit for bit the same
+                s = s * ((sm_scale * 512.0) / gk)[None, :]
+            else:
+                s = s * (sm_scale / gk)[None, :]
         else:
             kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
             if F32:
@@ -118,7 +121,7 @@ def _decode_attn_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_FP4:
-            v_ev, v_od = _fp4_dequant(pv_, sv, BT, DH, ASM, F32)
+            v_ev, v_od = _w_dequant(pv_, sv, BT, DH, ASM, F32, SWZ)
             pv = p / gv[None, :]
             if not F32:
                 pv = _bf16(pv)
@@ -137,6 +140,8 @@ def _decode_attn_kernel(
         t += BT
     prow = ((b64 * H + heads) * S + sp)
     if KV_FP4:
+        if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
+            acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
         optr = po_ptr + prow[:, None] * DH + 2 * j[None, :]
         tl.store(optr, acc_ev, mask=gmask[:, None])
         tl.store(optr + 1, acc_od, mask=gmask[:, None])
@@ -185,11 +190,13 @@ def decode_attention(
     out: torch.Tensor | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
+    swizzled: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
     Give either BF16 `k`, `v` (slots, T, Hkv, Dh), or `k_fp4`, `v_fp4` = (codes, scale bytes,
-    global scales) of one layer as FP4KVCache stores them. lens: int32 (B,), every entry >= 1.
+    global scales) of one layer as FP4KVCache stores them (`swizzled`: codes and scale bytes as
+    `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length.
     """
@@ -231,7 +238,7 @@ def decode_attention(
     _decode_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, num_warps=num_warps, num_stages=2,
+        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, num_warps=num_warps, num_stages=2,
     )
     _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out
@@ -310,31 +317,124 @@ def qkv_post(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 @triton.jit
+def _cache_scale_byte(r):
+    """Raw E4M3 scale byte (int32) -> its kernel scale byte (fp4_swizzle.cache_scale_bytes)."""
+    e = r >> 3
+    m = r & 7
+    p = (m >= 2).to(tl.int32) + (m >= 4).to(tl.int32)  # a subnormal's leading bit
+    b = tl.where(e > 0, ((e + 2) << 3) | m, (p << 3) | ((m << (3 - p)) & 7))
+    return tl.where(r >= 0x7F, 161, b)  # NaN / negative: fp4_swizzle.NAN_BYTE
+
+
+@triton.jit
+def _swizzle_word(w):
+    """int64 word of 8 natural codes -> the same codes re-placed (fp4_swizzle.swizzle_codes)."""
+    n0, n1, n2, n3 = w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15
+    n4, n5, n6, n7 = (w >> 16) & 15, (w >> 20) & 15, (w >> 24) & 15, (w >> 28) & 15
+    r0 = (((n0 & 8) << 12) | ((n0 & 7) << 6)) | ((((n2 & 8) << 12) | ((n2 & 7) << 6)) << 16)
+    r1 = (((n4 & 8) << 12) | ((n4 & 7) << 6)) | ((((n6 & 8) << 12) | ((n6 & 7) << 6)) << 16)
+    r2 = (((n1 & 8) << 12) | ((n1 & 7) << 6)) | ((((n3 & 8) << 12) | ((n3 & 7) << 6)) << 16)
+    r3 = (((n5 & 8) << 11) | ((n5 & 6) << 9) | ((n5 & 1) << 13)) | \
+        ((((n7 & 8) << 11) | ((n7 & 6) << 9) | ((n7 & 1) << 13)) << 16)
+    return r0 | (r1 >> 3) | (r2 >> 6) | r3
+
+
+@triton.jit
 def _kv_store_kernel(c_ptr, s_ptr, g_ptr, pos_ptr, cc_ptr, cs_ptr, cg_ptr,
                      ckv, cb, ct, skv, sb, st, gkv, gb, gt,
-                     B, HKV: tl.constexpr, DH: tl.constexpr):
-    """Copy one quantized (kv, row, head) of the new token to the FP4 cache at column pos[row]."""
+                     B, HKV: tl.constexpr, DH: tl.constexpr, SWZ: tl.constexpr):
+    """Copy one quantized (kv, row, head) of the new token to the FP4 cache at column pos[row]
+    (SWZ: codes swizzled, zero-scale blocks' codes zeroed, scales as kernel scale bytes)."""
     r = tl.program_id(0)
     kv = (r // (B * HKV)).to(tl.int64)
     b = ((r // HKV) % B).to(tl.int64)
     h = r % HKV
     pos = tl.load(pos_ptr + b).to(tl.int64)
-    j = tl.arange(0, DH // 2)
-    tl.store(cc_ptr + kv * ckv + b * cb + pos * ct + h * (DH // 2) + j, tl.load(c_ptr + r * (DH // 2) + j))
+    dst = cc_ptr + kv * ckv + b * cb + pos * ct + h * (DH // 2)
     jb = tl.arange(0, DH // 16)
-    tl.store(cs_ptr + kv * skv + b * sb + pos * st + h * (DH // 16) + jb, tl.load(s_ptr + r * (DH // 16) + jb))
+    sraw = tl.load(s_ptr + r * (DH // 16) + jb)
+    if SWZ:
+        jw = tl.arange(0, DH // 8)  # words: 8 codes, half a 16-element block
+        src = c_ptr + r * (DH // 2) + 4 * jw
+        w = tl.zeros((DH // 8,), tl.int64)
+        for i in tl.static_range(4):
+            w = w | (tl.load(src + i).to(tl.int64) << (8 * i))
+        zero = tl.load(s_ptr + r * (DH // 16) + jw // 2) == 0
+        w = tl.where(zero, 0, _swizzle_word(w))
+        for i in tl.static_range(4):
+            tl.store(dst + 4 * jw + i, ((w >> (8 * i)) & 255).to(tl.uint8))
+        sout = _cache_scale_byte(sraw.to(tl.int32)).to(tl.uint8)
+    else:
+        j = tl.arange(0, DH // 2)
+        tl.store(dst + j, tl.load(c_ptr + r * (DH // 2) + j))
+        sout = sraw
+    tl.store(cs_ptr + kv * skv + b * sb + pos * st + h * (DH // 16) + jb, sout)
     tl.store(cg_ptr + kv * gkv + b * gb + pos * gt + h, tl.load(g_ptr + r))
 
 
 def kv_store_fp4(q: fp4.FP4Tensor, pos: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 gscale: torch.Tensor) -> None:
+                 gscale: torch.Tensor, swizzle: bool = False) -> None:
     """Write quantized new K and V, q of shape (2, B, Hkv, Dh) (per-row global scales), into one
     layer of an FP4 cache: codes (2, slots, T, Hkv, Dh//2), scales (uint8, .., Dh//16), gscale
-    (.., 1) (FP4KVCache.codes[:, layer] etc.), row b at column pos[b]."""
+    (.., 1) (FP4KVCache.codes[:, layer] etc.), row b at column pos[b]. `swizzle`: as
+    fp4_swizzle.swizzle_blocks stores them, for `decode_attention(swizzled=True)`."""
     _, B, HKV, DH = q.shape
+    if not q.codes.is_contiguous() or not q.scales.is_contiguous():
+        raise ValueError("the quantized new K/V must be contiguous (2, B, Hkv, Dh//2) codes and (.., Dh//16) scales")
     if B:
         _kv_store_kernel[(2 * B * HKV,)](
             q.codes, q.scales.view(torch.uint8), q.global_scale, pos, codes, scales, gscale,
             codes.stride(0), codes.stride(1), codes.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
-            gscale.stride(0), gscale.stride(1), gscale.stride(2), B, HKV=HKV, DH=DH, num_warps=1,
+            gscale.stride(0), gscale.stride(1), gscale.stride(2), B, HKV=HKV, DH=DH, SWZ=swizzle, num_warps=1,
         )
+
+
+SWIZZLE_KV = True  # the decoder stores its FP4 KV cache swizzled where `kv_swizzle_check` passes
+_KV_SWIZZLE_STATUS: dict[str, str] = {}
+
+
+def kv_swizzle_check(device: torch.device | str = "cuda") -> str:
+    """The FP4 store and attention on a swizzled cache against a natural one, once per device type.
+
+    'swizzle ok' when the stored bytes equal `fp4_swizzle.swizzle_blocks` and the attention output
+    is equal bit for bit (zero-scale blocks included); else 'swizzle off: <reason>', and the decoder
+    keeps its cache natural. Like fp4_gemm.swizzle_check, it catches a compiler whose register
+    layout does not hand the PTX one row word per 4 bytes."""
+    kind = torch.device(device).type
+    if kind in _KV_SWIZZLE_STATUS:
+        return _KV_SWIZZLE_STATUS[kind]
+    if kind == "cpu" and not INTERPRET:
+        return "swizzle off: the kernels run on CUDA or in the interpreter"
+    g = torch.Generator(device="cpu").manual_seed(7)
+    B, H, Hkv, Dh, T = 2, 8, 2, 128, 48
+    kv = torch.randn(2, B, T, Hkv, Dh, generator=g) * torch.rand(2, B, T, Hkv, 1, generator=g) * 4
+    nat = fp4.quantize(kv, "nvfp4", per_row_global=True)
+    nat.scales.view(torch.uint8)[:, 1, 5] = 0  # zero scales (the quantizer writes none; a foreign cache may)
+    q = torch.randn(B, H, Dh, generator=g).bfloat16().to(device)
+    lens = torch.tensor([T, T - 9], dtype=torch.int32, device=device)
+    try:
+        from tracerl.rollout.kvcache import FP4KVCache
+
+        cache = FP4KVCache(2, B, T, Hkv, Dh, device=device)
+        pos = torch.zeros(B, dtype=torch.int32, device=device)
+        for t in range(T):  # the store kernel writes every column
+            pos.fill_(t)
+            col = fp4.FP4Tensor(nat.codes[:, :, t].contiguous(), nat.scales[:, :, t].contiguous(),
+                                nat.global_scale[:, :, t].contiguous(), "nvfp4", torch.Size((2, B, Hkv, Dh)))
+            kv_store_fp4(col.to(device), pos, cache.codes[:, 0], cache.scales[:, 0], cache.gscale[:, 0], swizzle=True)
+        sc, ss = fp4_swizzle.swizzle_blocks(nat.codes, nat.scales)
+        stored = torch.equal(cache.codes[:, 0].cpu(), sc) and torch.equal(cache.scales[:, 0].cpu(), ss)
+        gs = nat.global_scale.to(device)
+        n = [(nat.codes[i].to(device), nat.scales[i].view(torch.uint8).to(device), gs[i]) for i in (0, 1)]
+        o0 = decode_attention(q, lens, k_fp4=n[0], v_fp4=n[1])
+        o1 = decode_attention(q, lens, k_fp4=(cache.codes[0, 0], cache.scales[0, 0], cache.gscale[0, 0]),
+                              v_fp4=(cache.codes[1, 0], cache.scales[1, 0], cache.gscale[1, 0]), swizzled=True)
+        same = torch.equal(o0, o1)
+    except Exception as e:  # a PTX or lowering error: keep the cache natural
+        status = f"swizzle off: {type(e).__name__}: {str(e)[:200]}"
+    else:
+        status = ("swizzle ok" if stored and same else
+                  f"swizzle off: {'the stored bytes differ' if not stored else 'the attention output differs'}"
+                  " from the natural cache's")
+    _KV_SWIZZLE_STATUS[kind] = status
+    return status

@@ -25,6 +25,10 @@ NaN E4M3 scales have no such byte (`scale_bytes` refuses them; `SwizzledFP4.of` 
 block, whose values are all zero, as zero codes under the smallest byte, so `natural()` gives that
 block scale 2**-9 and the same values).
 
+An FP4 KV cache is stored the same way by the decoder (`swizzle_blocks`, `cache_scale_bytes`:
+total on every byte the quantizer can write, since a cache cannot refuse a token): the attention
+kernel's K/V tiles then decode as the GEMM's weight tiles do.
+
 `swizzle_codes` / `unswizzle_codes` and `scale_bytes` / `e4m3_scales` are exact inverses;
 `decode_swizzled` is the PTX's arithmetic in torch (the tests check both against the natural codes).
 """
@@ -154,6 +158,30 @@ def e4m3_scales(b: torch.Tensor) -> torch.Tensor:
     """Inverse of `scale_bytes`."""
     bits = (b.to(torch.int32) * 16 + FIELD0 * 128) << 16
     return (bits.view(torch.float32) * 2.0**-117).to(torch.float8_e4m3fn)
+
+
+NAN_BYTE = 161  # kernel scale byte whose multiplier is a BF16 NaN: 161 * 16 + 30080 = 0x7F90
+
+
+def cache_scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """Raw E4M3 scale bytes (uint8 or float8_e4m3fn) of a KV cache -> kernel scale bytes, total:
+    a zero scale (an all-zero block) -> 0 (2**-9: the block's codes must then be zero, as
+    `swizzle_blocks` makes them); NaN and negative scales -> NAN_BYTE, so a NaN K/V row stays NaN."""
+    raw = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"scales must be uint8 or float8_e4m3fn, got {scales.dtype}")
+    bad = raw >= 0x7F
+    ok = raw.masked_fill((raw == 0) | bad, 1).view(torch.float8_e4m3fn)  # 1: the smallest scale, 2**-9
+    return scale_bytes(ok).masked_fill(bad, NAN_BYTE)
+
+
+def swizzle_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 rows (codes uint8 (..., D//2), raw E4M3 scale bytes (..., D//16)) -> (swizzled codes,
+    `cache_scale_bytes`), zero-scale blocks' codes zeroed: what `kv_store_fp4(swizzle=True)` stores."""
+    zero = scales.view(torch.uint8) == 0
+    blocks = codes.reshape(*scales.shape, -1)
+    codes = blocks.masked_fill(zero[..., None], 0).reshape(codes.shape)
+    return swizzle_codes(codes), cache_scale_bytes(scales)
 
 
 @dataclass

@@ -19,7 +19,8 @@ position update run inside the graph, so `decode(n)` synchronises with the host 
 Per layer (B rows, K experts per token): fused residual-add + RMSNorm (Triton); q/k/v in one
 BF16 GEMM (FP4 `fp4_linear` when the recipe quantizes attention); per-head q/k norm + RoPE + K/V
 store (Triton); for an FP4 cache the new K/V are quantized by `kernels.quantize` (bit-exact with
-fp4.quantize, per-row global scales) and copied into the FP4KVCache layout; split-KV decode
+fp4.quantize, per-row global scales) and copied into the FP4KVCache layout (swizzled where
+`fp4_attention.kv_swizzle_check` passes: `kv_swizzled`, codes as the GEMM's weights); split-KV decode
 attention (`kernels.fp4_attention`); o_proj; router logits in float32; top-k + stable dispatch
 (Triton); the two grouped expert GEMMs (`kernels.fp4_gemm`: FP4 weights dequantized in
 registers, SwiGLU fused into gate_up, gate weight + scatter fused into down); w4a4 quantizes
@@ -46,6 +47,7 @@ import triton.language as tl
 from tracerl import fp4, kernels, qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
+from tracerl.kernels import fp4_swizzle
 from tracerl.kernels.fp4_gemm import _bf16
 from tracerl.kernels.record_sink import RecordSink
 from tracerl.model.config import ModelConfig
@@ -317,6 +319,9 @@ class GPUDecoder:
         L, B, D, K = cfg.num_layers, batch, cfg.hidden_size, cfg.top_k
         shape = (L, B, max_len, cfg.num_kv_heads, cfg.head_dim)
         self.cache = FP4KVCache(*shape, device=dev) if self.recipe.kv else DenseKVCache(*shape, device=dev)
+        # an FP4 cache is stored swizzled (fp4_swizzle.swizzle_blocks) where the kernels were checked
+        # on it: its codes are then not FP4KVCache's natural ones (fp4_swizzle.unswizzle_codes reads them)
+        self.kv_swizzled = bool(self.recipe.kv and fa.SWIZZLE_KV and fa.kv_swizzle_check(dev) == "swizzle ok")
         cos, sin = rope_cos_sin(torch.arange(max_len, device=dev)[None], cfg.head_dim, cfg.rope_theta, torch.bfloat16)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.split_len = fa.split_len_for(max_len, B, cfg.num_kv_heads)
@@ -417,9 +422,10 @@ class GPUDecoder:
                             self.kv_new[0], self.kv_new[1])
             self._watch(f"layers.{i}.attn.kv_cache", self.kv_new)
             kvq = self._quantize(self.kv_new, self._kv_sink(i, self.kv_new))
-            fa.kv_store_fp4(kvq, self.pos, c.codes[:, i], c.scales[:, i], c.gscale[:, i])
+            fa.kv_store_fp4(kvq, self.pos, c.codes[:, i], c.scales[:, i], c.gscale[:, i], swizzle=self.kv_swizzled)
             o = fa.decode_attention(q, self.lens, k_fp4=(c.codes[0, i], c.scales[0, i], c.gscale[0, i]),
-                                    v_fp4=(c.codes[1, i], c.scales[1, i], c.gscale[1, i]), split_len=self.split_len)
+                                    v_fp4=(c.codes[1, i], c.scales[1, i], c.gscale[1, i]), split_len=self.split_len,
+                                    swizzled=self.kv_swizzled)
         else:
             q = fa.qkv_post(qkv, self.pos, self.cos, self.sin, lw.qk_norm, H, Hkv, Dh, cfg.rms_norm_eps,
                             c.k[i], c.v[i])
@@ -517,7 +523,8 @@ class GPUDecoder:
                 cc = c.codes[:, i, :, :length]
                 cc.copy_(torch.randint(0, 256, cc.shape, generator=g, device=self.device, dtype=torch.uint8))
                 sc = c.scales[:, i, :, :length]
-                sc.copy_(torch.randint(0x60, 0x7E, sc.shape, generator=g, device=self.device, dtype=torch.uint8))
+                raw = torch.randint(0x60, 0x7E, sc.shape, generator=g, device=self.device, dtype=torch.uint8)
+                sc.copy_(fp4_swizzle.cache_scale_bytes(raw) if self.kv_swizzled else raw)
                 c.gscale[:, i, :, :length].uniform_(500.0, 2000.0, generator=g)
         else:
             for i in range(self.cfg.num_layers):
