@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -374,8 +375,11 @@ def main(argv=None) -> int:
     result = {"env": env, "args": vars(args), "points": [], "micro": [], "peer_transformers": []}
 
     def save():
-        with open(args.out, "w") as f:
+        # Rename over the old file so that a run killed by its time limit leaves the last whole JSON.
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)
 
     bf16_experts = args.bf16_experts if args.bf16_experts != "auto" else "triton"
     if args.micro:
