@@ -38,6 +38,52 @@ from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_load, _w_dequant
 
 
 @triton.jit
+def _softmax_update(s, tmask, m_i, l_i):
+    """Online-softmax step over one tile's scores s (GP, BT): (p, alpha, new max, new sum)."""
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev, acc_od, sm_scale,
+              BT: tl.constexpr, DH: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr):
+    """One BT-position tile of an FP4 cache from its loaded bytes: the updated (m, l, even acc, odd acc)."""
+    k_ev, k_od = _w_dequant(pk, sk, BT, DH, ASM, F32, SWZ)
+    s = tl.dot(q_ev, tl.trans(k_ev))
+    s = tl.dot(q_od, tl.trans(k_od), s)
+    if SWZ:  # swizzled K enters the dot as c * s8 * 2**-9: a power of two, so bit for bit the same
+        s = s * ((sm_scale * 512.0) / gk)[None, :]
+    else:
+        s = s * (sm_scale / gk)[None, :]
+    p, alpha, m_i, l_i = _softmax_update(s, tmask, m_i, l_i)
+    v_ev, v_od = _w_dequant(pv_, sv, BT, DH, ASM, F32, SWZ)
+    pv = p / gv[None, :]
+    if not F32:
+        pv = _bf16(pv)
+    acc_ev = tl.dot(pv, v_ev, acc_ev * alpha[:, None])
+    acc_od = tl.dot(pv, v_od, acc_od * alpha[:, None])
+    return m_i, l_i, acc_ev, acc_od
+
+
+@triton.jit
+def _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32: tl.constexpr):
+    """One BT-position tile of a BF16 cache: the updated (m, l, acc)."""
+    if F32:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, tl.trans(kt)) * sm_scale
+    p, alpha, m_i, l_i = _softmax_update(s, tmask, m_i, l_i)
+    if F32:
+        pv = p
+        vt = vt.to(tl.float32)
+    else:
+        pv = _bf16(p)
+    return m_i, l_i, tl.dot(pv, vt, acc * alpha[:, None])
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr, sqb,
     k_ptr, v_ptr, skb, skt,
@@ -45,7 +91,7 @@ def _decode_attn_kernel(
     len_ptr, po_ptr, pml_ptr,
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
-    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
+    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, PIPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -82,62 +128,55 @@ def _decode_attn_kernel(
         acc = tl.zeros((GP, DH), tl.float32)
         kb = k_ptr + b64 * skb + hk * DH
         vb = v_ptr + b64 * skb + hk * DH
-    t = t0
-    if KV_FP4:  # software prefetch of the next tile's packed K/V (see fp4_gemm's K loop)
-        ts = t + tl.arange(0, BT)
-        tmask = ts < t1
-        ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
-        pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
-        pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
-        gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
-        gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
-    while t < t1:
-        ts = t + tl.arange(0, BT)
-        tmask = ts < t1
-        ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
-        if KV_FP4:
-            tn = ts + BT
-            nmask = tn < t1
-            tn64 = tl.where(nmask, tn, 0)
-            pk_n, sk_n = _fp4_load(kc, ks, tn64, nmask[:, None], sct, sst, 0, DH)
-            pv_n, sv_n = _fp4_load(vc, vs, tn64, nmask[:, None], sct, sst, 0, DH)
-            gk_n = tl.load(kg + tn64 * sgt, mask=nmask, other=1.0)
-            gv_n = tl.load(vg + tn64 * sgt, mask=nmask, other=1.0)
-            k_ev, k_od = _w_dequant(pk, sk, BT, DH, ASM, F32, SWZ)
-            s = tl.dot(q_ev, tl.trans(k_ev))
-            s = tl.dot(q_od, tl.trans(k_od), s)
-            if SWZ:  # swizzled K enters the dot as c * s8 * 2**-9: a power of two, so bit for bit the same
-                s = s * ((sm_scale * 512.0) / gk)[None, :]
+    if PIPE > 0:
+        # a `for` over the split: the compiler's software pipeline turns the tile loads into async
+        # copies into shared memory, PIPE tiles in flight (a `while` loop is never pipelined; the
+        # interpreter cannot range() over loaded bounds, so it runs the branch below)
+        for t in tl.range(t0, t1, BT, num_stages=PIPE):
+            ts = t + tl.arange(0, BT)
+            tmask = ts < t1
+            ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
+            if KV_FP4:
+                pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
+                pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
+                gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
+                gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+                m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
+                                                     acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
             else:
-                s = s * (sm_scale / gk)[None, :]
-        else:
-            kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
-            if F32:
-                kt = kt.to(tl.float32)
-            s = tl.dot(q, tl.trans(kt)) * sm_scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_FP4:
-            v_ev, v_od = _w_dequant(pv_, sv, BT, DH, ASM, F32, SWZ)
-            pv = p / gv[None, :]
-            if not F32:
-                pv = _bf16(pv)
-            acc_ev = tl.dot(pv, v_ev, acc_ev * alpha[:, None])
-            acc_od = tl.dot(pv, v_od, acc_od * alpha[:, None])
-            pk, sk, pv_, sv, gk, gv = pk_n, sk_n, pv_n, sv_n, gk_n, gv_n
-        else:
-            vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
-            if F32:
-                pv = p
-                vt = vt.to(tl.float32)
+                kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
+    else:
+        t = t0
+        if KV_FP4:  # software prefetch of the next tile's packed K/V in registers (see fp4_gemm's K loop)
+            ts = t + tl.arange(0, BT)
+            tmask = ts < t1
+            ts64 = tl.where(tmask, ts, 0)
+            pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
+            pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
+            gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
+            gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+        while t < t1:
+            ts = t + tl.arange(0, BT)
+            tmask = ts < t1
+            ts64 = tl.where(tmask, ts, 0)
+            if KV_FP4:
+                tn = ts + BT
+                nmask = tn < t1
+                tn64 = tl.where(nmask, tn, 0)
+                pk_n, sk_n = _fp4_load(kc, ks, tn64, nmask[:, None], sct, sst, 0, DH)
+                pv_n, sv_n = _fp4_load(vc, vs, tn64, nmask[:, None], sct, sst, 0, DH)
+                gk_n = tl.load(kg + tn64 * sgt, mask=nmask, other=1.0)
+                gv_n = tl.load(vg + tn64 * sgt, mask=nmask, other=1.0)
+                m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
+                                                     acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
+                pk, sk, pv_, sv, gk, gv = pk_n, sk_n, pv_n, sv_n, gk_n, gv_n
             else:
-                pv = _bf16(p)
-            acc = tl.dot(pv, vt, acc * alpha[:, None])
-        m_i = m_new
-        t += BT
+                kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
+            t += BT
     prow = ((b64 * H + heads) * S + sp)
     if KV_FP4:
         if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
@@ -167,8 +206,13 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
     tl.store(out_ptr + bh * DH + d, _bf16(num / den))
 
 
-# KV_FP4 -> (block_t, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro)
-TUNED: dict[bool, tuple[int, int]] = {}
+# KV_FP4 -> (block_t, num_warps[, stages]); benchmarks may fill it from a sweep (bench/rollout.py --micro)
+TUNED: dict[bool, tuple[int, ...]] = {}
+# K/V tiles in flight by the compiler's pipeline (async copies into shared memory, a `for` loop); 0: a
+# `while` loop with the next tile prefetched in registers, the only form the interpreter runs. On the
+# GPU the `while` form issues plain loads only (no cp.async in its PTX) and FP4 attention streamed
+# 0.21-0.23 of the copy bandwidth on the H100 (bench/RESULTS.md); the bench times both forms.
+STAGES = 0
 
 
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64, target_programs: int = 1024) -> int:
@@ -191,19 +235,26 @@ def decode_attention(
     block_t: int | None = None,
     num_warps: int | None = None,
     swizzled: bool = False,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
     Give either BF16 `k`, `v` (slots, T, Hkv, Dh), or `k_fp4`, `v_fp4` = (codes, scale bytes,
     global scales) of one layer as FP4KVCache stores them (`swizzled`: codes and scale bytes as
-    `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
+    `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1. num_stages: tiles
+    in flight by the compiler's pipeline, 0 for the register-prefetch loop (default TUNED or STAGES).
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length.
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    tb, tw = TUNED.get(fp4_kv, (64, 4))
+    tb, tw, *ts = TUNED.get(fp4_kv, (64, 4))
     block_t, num_warps = block_t or tb, num_warps or tw
+    if num_stages is None:
+        num_stages = ts[0] if ts else STAGES
+    if num_stages < 0:
+        raise ValueError(f"num_stages={num_stages}: give 0 (register prefetch) or the tiles in flight (2, 3, ...)")
+    stages = 0 if INTERPRET else num_stages
     if fp4_kv:
         kc, ks, kg = k_fp4
         vc, vs, vg = v_fp4
@@ -238,7 +289,8 @@ def decode_attention(
     _decode_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, num_warps=num_warps, num_stages=2,
+        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, PIPE=stages, num_warps=num_warps,
+        num_stages=max(stages, 1),
     )
     _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out
