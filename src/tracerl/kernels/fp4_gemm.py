@@ -69,7 +69,7 @@ PREFETCH = False
 SWAP_AB = False
 # Load the packed weight codes with the tensor-memory accelerator (a host TensorDescriptor over the
 # (E*O, K/2) codes): TMA copies land in shared memory asynchronously and Triton pipelines them over
-# num_stages, where plain loads that feed register math (not a dot) are not pipelined. Scales (1/8
+# num_stages (Triton 3.6 also pipelines the plain loads, as cp.async: both forms are timed). Scales (1/8
 # of the bytes, rows of K/16 < TMA's 16-byte minimum box at BK=128) keep plain loads. A/B in the bench.
 TMA_W = False
 # Per GEMM kind, (PREFETCH, SWAP_AB, TMA_W) chosen by `bench/rollout.py --micro`, keyed like TUNED by
