@@ -84,6 +84,28 @@ def _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32: tl.constexpr):
 
 
 @triton.jit
+def _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT: tl.constexpr, DH: tl.constexpr):
+    """Packed K and V codes, scale bytes and row global scales of positions t..t+BT (masked at t1)."""
+    ts = t + tl.arange(0, BT)
+    tmask = ts < t1
+    ts = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
+    pk, sk = _fp4_load(kc, ks, ts, tmask[:, None], sct, sst, 0, DH)
+    pv, sv = _fp4_load(vc, vs, ts, tmask[:, None], sct, sst, 0, DH)
+    gk = tl.load(kg + ts * sgt, mask=tmask, other=1.0)
+    gv = tl.load(vg + ts * sgt, mask=tmask, other=1.0)
+    return pk, sk, pv, sv, gk, gv
+
+
+@triton.jit
+def _bf16_kv_load(kb, vb, t, t1, skt, BT: tl.constexpr, DH: tl.constexpr):
+    """BF16 K and V rows of positions t..t+BT (masked at t1)."""
+    ts = t + tl.arange(0, BT)
+    tmask = ts < t1
+    off = tl.where(tmask, ts, 0)[:, None] * skt + tl.arange(0, DH)[None, :]
+    return tl.load(kb + off, mask=tmask[:, None], other=0.0), tl.load(vb + off, mask=tmask[:, None], other=0.0)
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr, sqb,
     k_ptr, v_ptr, skb, skt,
@@ -133,48 +155,27 @@ def _decode_attn_kernel(
         # copies into shared memory, PIPE tiles in flight (a `while` loop is never pipelined; the
         # interpreter cannot range() over loaded bounds, so it runs the branch below)
         for t in tl.range(t0, t1, BT, num_stages=PIPE):
-            ts = t + tl.arange(0, BT)
-            tmask = ts < t1
-            ts64 = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
+            tmask = t + tl.arange(0, BT) < t1
             if KV_FP4:
-                pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
-                pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
-                gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
-                gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+                pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
                 m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
                                                      acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
             else:
-                kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
-                vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
                 m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
     else:
         t = t0
         if KV_FP4:  # software prefetch of the next tile's packed K/V in registers (see fp4_gemm's K loop)
-            ts = t + tl.arange(0, BT)
-            tmask = ts < t1
-            ts64 = tl.where(tmask, ts, 0)
-            pk, sk = _fp4_load(kc, ks, ts64, tmask[:, None], sct, sst, 0, DH)
-            pv_, sv = _fp4_load(vc, vs, ts64, tmask[:, None], sct, sst, 0, DH)
-            gk = tl.load(kg + ts64 * sgt, mask=tmask, other=1.0)
-            gv = tl.load(vg + ts64 * sgt, mask=tmask, other=1.0)
+            pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
         while t < t1:
-            ts = t + tl.arange(0, BT)
-            tmask = ts < t1
-            ts64 = tl.where(tmask, ts, 0)
+            tmask = t + tl.arange(0, BT) < t1
             if KV_FP4:
-                tn = ts + BT
-                nmask = tn < t1
-                tn64 = tl.where(nmask, tn, 0)
-                pk_n, sk_n = _fp4_load(kc, ks, tn64, nmask[:, None], sct, sst, 0, DH)
-                pv_n, sv_n = _fp4_load(vc, vs, tn64, nmask[:, None], sct, sst, 0, DH)
-                gk_n = tl.load(kg + tn64 * sgt, mask=nmask, other=1.0)
-                gv_n = tl.load(vg + tn64 * sgt, mask=nmask, other=1.0)
+                nxt = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t + BT, t1, sct, sst, sgt, BT, DH)
                 m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
                                                      acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
-                pk, sk, pv_, sv, gk, gv = pk_n, sk_n, pv_n, sv_n, gk_n, gv_n
+                pk, sk, pv_, sv, gk, gv = nxt
             else:
-                kt = tl.load(kb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
-                vt = tl.load(vb + ts64[:, None] * skt + d[None, :], mask=tmask[:, None], other=0.0)
+                kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
                 m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
             t += BT
     prow = ((b64 * H + heads) * S + sp)
