@@ -170,12 +170,11 @@ def compile_variants(log: list, regs: bool = False) -> None:
             kq, vq = (fp4.quantize(t, "nvfp4", per_row_global=True) for t in (k, v))
             for asm in (True, False):
                 fg.USE_ASM = asm
-                for st in (0, 2, 3):  # register prefetch, and the compiler's pipeline (fa.STAGES)
-                    fa.decode_attention(q, lens, k=k, v=v, split_len=32, num_stages=st)
-                    for swz in (False, True):  # natural and swizzled (the decoder's) FP4 caches
-                        fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
-                                            v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale),
-                                            split_len=32, swizzled=swz, num_stages=st)
+                fa.decode_attention(q, lens, k=k, v=v, split_len=32)
+                for swz in (False, True):  # natural and swizzled (the decoder's) FP4 caches
+                    fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
+                                        v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32,
+                                        swizzled=swz)
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()

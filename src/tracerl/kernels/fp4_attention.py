@@ -113,7 +113,7 @@ def _decode_attn_kernel(
     len_ptr, po_ptr, pml_ptr,
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
-    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, PIPE: tl.constexpr,
+    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -150,34 +150,20 @@ def _decode_attn_kernel(
         acc = tl.zeros((GP, DH), tl.float32)
         kb = k_ptr + b64 * skb + hk * DH
         vb = v_ptr + b64 * skb + hk * DH
-    if PIPE > 0:
-        # a `for` over the split: the compiler's software pipeline turns the tile loads into async
-        # copies into shared memory, PIPE tiles in flight (a `while` loop is never pipelined; the
-        # interpreter cannot range() over loaded bounds, so it runs the branch below)
-        for t in tl.range(t0, t1, BT, num_stages=PIPE):
-            tmask = t + tl.arange(0, BT) < t1
-            if KV_FP4:
-                pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
-                m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
-                                                     acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
-            else:
-                kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
-                m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
-    else:
-        t = t0
-        if KV_FP4:  # software prefetch of the next tile's packed K/V in registers (see fp4_gemm's K loop)
-            pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
-        while t < t1:
-            tmask = t + tl.arange(0, BT) < t1
-            if KV_FP4:
-                nxt = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t + BT, t1, sct, sst, sgt, BT, DH)
-                m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
-                                                     acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
-                pk, sk, pv_, sv, gk, gv = nxt
-            else:
-                kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
-                m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
-            t += BT
+    t = t0
+    if KV_FP4:  # software prefetch of the next tile's packed K/V in registers (see fp4_gemm's K loop)
+        pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
+    while t < t1:
+        tmask = t + tl.arange(0, BT) < t1
+        if KV_FP4:
+            nxt = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t + BT, t1, sct, sst, sgt, BT, DH)
+            m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
+                                                 acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
+            pk, sk, pv_, sv, gk, gv = nxt
+        else:
+            kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
+            m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
+        t += BT
     prow = ((b64 * H + heads) * S + sp)
     if KV_FP4:
         if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
@@ -207,13 +193,12 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
     tl.store(out_ptr + bh * DH + d, _bf16(num / den))
 
 
-# KV_FP4 -> (block_t, num_warps[, stages]); benchmarks may fill it from a sweep (bench/rollout.py --micro)
-TUNED: dict[bool, tuple[int, ...]] = {}
-# K/V tiles in flight by the compiler's pipeline (async copies into shared memory, a `for` loop); 0: a
-# `while` loop with the next tile prefetched in registers, the only form the interpreter runs. On the
-# GPU the `while` form issues plain loads only (no cp.async in its PTX) and FP4 attention streamed
-# 0.21-0.23 of the copy bandwidth on the H100 (bench/RESULTS.md); the bench times both forms.
-STAGES = 0
+# KV_FP4 -> (block_t, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro). The split
+# runs as a `while` loop with the next tile prefetched in registers. A compiler-pipelined `for` form
+# (async copies into shared memory, 2-3 tiles in flight) was timed on the H100 on 2026-12-07 and taken out:
+# it gained nothing (FP4 0.258 vs 0.258 ms, BF16 0.262 vs 0.264 at B=256, 1k) and its swizzled-cache
+# output was wrong on the GPU (bench/RESULTS.md).
+TUNED: dict[bool, tuple[int, int]] = {}
 
 
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64, target_programs: int = 1024) -> int:
@@ -236,26 +221,19 @@ def decode_attention(
     block_t: int | None = None,
     num_warps: int | None = None,
     swizzled: bool = False,
-    num_stages: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
     Give either BF16 `k`, `v` (slots, T, Hkv, Dh), or `k_fp4`, `v_fp4` = (codes, scale bytes,
     global scales) of one layer as FP4KVCache stores them (`swizzled`: codes and scale bytes as
-    `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1. num_stages: tiles
-    in flight by the compiler's pipeline, 0 for the register-prefetch loop (default TUNED or STAGES).
+    `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length.
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    tb, tw, *ts = TUNED.get(fp4_kv, (64, 4))
+    tb, tw = TUNED.get(fp4_kv, (64, 4))
     block_t, num_warps = block_t or tb, num_warps or tw
-    if num_stages is None:
-        num_stages = ts[0] if ts else STAGES
-    if num_stages < 0:
-        raise ValueError(f"num_stages={num_stages}: give 0 (register prefetch) or the tiles in flight (2, 3, ...)")
-    stages = 0 if INTERPRET else num_stages
     if fp4_kv:
         kc, ks, kg = k_fp4
         vc, vs, vg = v_fp4
@@ -290,8 +268,7 @@ def decode_attention(
     _decode_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, PIPE=stages, num_warps=num_warps,
-        num_stages=max(stages, 1),
+        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, num_warps=num_warps, num_stages=2,
     )
     _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out
