@@ -201,8 +201,17 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
 TUNED: dict[bool, tuple[int, int]] = {}
 
 
-def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64, target_programs: int = 1024) -> int:
+# Programs per attention launch that split_len_for aims at: about 2 per SM of a 132-SM H100/H200, which is
+# what the FP4 kernel holds (233 registers/thread: 2 CTAs per SM, ncu). Fewer, longer splits beat the
+# former 1024 at every (ctx, batch, cache) point timed on the H100 (bench/attention_profile.py --sweep,
+# 2026-12-07: FP4 1k B=16 15.8 vs 22.1 us, 8k B=16 83 vs 88 us; BF16 1k B=16 12.3 vs 16.4 us; B=256 ties).
+SPLIT_PROGRAMS = 256
+
+
+def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64,
+                  target_programs: int | None = None) -> int:
     """Positions per split: enough splits that B * Hkv * S programs fill the GPU, whole BT tiles."""
+    target_programs = target_programs or SPLIT_PROGRAMS
     tiles = triton.cdiv(max_len, block_t)
     splits = max(1, min(tiles, target_programs // max(1, batch * n_kv_heads)))
     return triton.cdiv(tiles, splits) * block_t

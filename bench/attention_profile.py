@@ -1,0 +1,152 @@
+"""One layer's decode attention on the GPU: a split x tile sweep, and a launch list for ncu.
+
+Why: FP4-KV attention streams ~0.2-0.34 of the copy bandwidth where BF16 attention streams up to
+0.95, and neither async copies (a pipelined loop) nor a decode-friendly nibble layout (the swizzled
+cache) changed that (bench/RESULTS.md, 2026-12-07). This script measures how the work split (programs
+per launch: `fp4_attention.split_len_for(target_programs=)`) and the tile shape move it, and hands
+single launches to Nsight Compute for the stall reasons.
+
+    # timing sweep (device): one JSON line per (format, ctx, batch, programs, tile), writes --out
+    PYTHONPATH=src python3 bench/attention_profile.py --sweep --out $OUT/attn_sweep.json
+    # one launch per (format, ctx, batch) between cudaProfilerStart/Stop, for ncu:
+    ncu --profile-from-start off --kernel-name regex:decode_attn ... python3 bench/attention_profile.py --ncu
+
+Shapes: `qwen3-30b-a3b` (32 query heads, 4 KV heads, head dim 128), every slot filled to `ctx`,
+random K/V quantized per row as the decoder's FP4 cache stores them. Bytes = K and V as stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_profile import graph_ms  # noqa: E402  (the same CUDA-graph timing as the GEMM sweep)
+from rollout import copy_bandwidth  # noqa: E402
+
+from tracerl import kernels  # noqa: E402
+from tracerl.kernels import fp4_attention as fa  # noqa: E402
+from tracerl.kernels import fp4_swizzle as fs  # noqa: E402
+from tracerl.model.config import get_config  # noqa: E402
+
+POINTS = [(1024, 16), (1024, 256), (8192, 16), (8192, 64)]
+PROGRAMS = [256, 512, 1024, 2048, 4096]  # fp4_attention.SPLIT_PROGRAMS is the shipped one (1024 before)
+TILES = [(64, 4), (32, 4), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
+FORMATS = ["bf16", "fp4", "fp4-swizzled"]
+
+
+class Cache:
+    """q, lens and one layer's K/V cache of `batch` slots filled to `ctx`, in every format."""
+
+    def __init__(self, ctx: int, batch: int, dev: str = "cuda", seed: int = 0):
+        cfg = get_config("qwen3-30b-a3b")
+        self.ctx, self.batch, self.hkv = ctx, batch, cfg.num_kv_heads
+        g = torch.Generator(device=dev).manual_seed(seed)
+        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q = torch.randn(batch, H, Dh, device=dev, generator=g).bfloat16()
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        k = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
+        v = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
+        kq, vq = (kernels.quantize(t, "nvfp4", per_row_global=True) for t in (k, v))
+        kf = (kq.codes, kq.scales.view(torch.uint8), kq.global_scale)
+        vf = (vq.codes, vq.scales.view(torch.uint8), vq.global_scale)
+        self.kv = {
+            "bf16": {"k": k, "v": v},
+            "fp4": {"k_fp4": kf, "v_fp4": vf},
+            "fp4-swizzled": {"k_fp4": (*fs.swizzle_blocks(kf[0], kf[1]), kf[2]),
+                             "v_fp4": (*fs.swizzle_blocks(vf[0], vf[1]), vf[2]), "swizzled": True},
+        }
+        self.nbytes = {"bf16": 2 * k.numel() * 2,
+                       "fp4": 2 * (kq.codes.numel() + kq.scales.numel() + kq.global_scale.numel() * 4)}
+        self.nbytes["fp4-swizzled"] = self.nbytes["fp4"]
+
+    def call(self, fmt: str, programs: int | None = None, tile: tuple[int, int] = (64, 4)):
+        """A no-argument launch of the attention (+ merge) at this split and tile."""
+        bt, nw = tile
+        sl = fa.split_len_for(self.ctx, self.batch, self.hkv, bt, target_programs=programs)
+        kv = self.kv[fmt]
+        return lambda: fa.decode_attention(self.q, self.lens, **kv, split_len=sl, block_t=bt, num_warps=nw)
+
+
+def sweep(points: list[tuple[int, int]], out: str | None) -> list[dict]:
+    """Time every (format, point, programs, tile); print one JSON line each, the best per (format,
+    point) last, and write them all to `out`."""
+    bw = copy_bandwidth()
+    rows: list[dict] = []
+    for ctx, batch in points:
+        cache = Cache(ctx, batch)
+        ref = {f: cache.call(f)().float() for f in FORMATS}
+        for fmt in FORMATS:
+            for programs in PROGRAMS:
+                for tile in TILES:
+                    fn = cache.call(fmt, programs, tile)
+                    rel = float((fn().float() - ref[fmt]).norm() / ref[fmt].norm())
+                    ms = graph_ms(fn)
+                    row = {"format": fmt, "ctx": ctx, "batch": batch, "programs": programs, "tile": tile,
+                           "ms": ms, "roofline_frac": cache.nbytes[fmt] / (ms * 1e-3) / bw, "rel_to_default": rel}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    for ctx, batch in points:
+        for fmt in FORMATS:
+            mine = [r for r in rows if (r["format"], r["ctx"], r["batch"]) == (fmt, ctx, batch)]
+            best = min(mine, key=lambda r: r["ms"])
+            dflt = next(r for r in mine if r["programs"] == fa.SPLIT_PROGRAMS and tuple(r["tile"]) == (64, 4))
+            print(f"best {fmt:13s} ctx={ctx:5d} B={batch:4d}: {best['ms'] * 1e3:7.1f} us "
+                  f"(programs {best['programs']}, tile {tuple(best['tile'])}, roofline {best['roofline_frac']:.2f}) "
+                  f"vs default {dflt['ms'] * 1e3:7.1f} us ({dflt['roofline_frac']:.2f})", flush=True)
+    if out:
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
+        os.replace(tmp, out)
+    return rows
+
+
+def ncu_launches(points: list[tuple[int, int]]) -> None:
+    """Warm every (format, point) at the shipped split and tile, then launch each once inside
+    cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)."""
+    for ctx, batch in points:
+        cache = Cache(ctx, batch)
+        for fmt in FORMATS:
+            fn = cache.call(fmt)
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled fmt={fmt} ctx={ctx} batch={batch}", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: --sweep and/or --ncu over --points ctx:batch,..."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--points", default=",".join(f"{c}:{b}" for c, b in POINTS), help="ctx:batch,...")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_profile: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",") if p]
+    except ValueError:
+        ap.error(f"--points {args.points!r}: give ctx:batch pairs, e.g. 8192:16,1024:256")
+    if args.sweep:
+        sweep(points, args.out)
+    if args.ncu:
+        ncu_launches(points)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
