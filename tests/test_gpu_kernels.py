@@ -401,12 +401,12 @@ def test_attention_reference_matches_engine_split_kv():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_len_for_fills_the_target_programs_with_whole_tiles():
     """Splits are whole BT tiles covering the cache, about SPLIT_PROGRAMS programs, never fewer than one split."""
-    assert fa.SPLIT_PROGRAMS == 256  # the timed choice (bench/RESULTS.md); change both together
-    assert fa.split_len_for(1024, 16, 4) == 256  # 64 (slot, head) pairs x 4 splits = 256 programs
-    assert fa.split_len_for(8192, 16, 4) == 2048
+    assert fa.split_len_for(1024, 16, 4, target_programs=256) == 256  # 64 (slot, head) pairs x 4 splits
+    assert fa.split_len_for(8192, 16, 4, target_programs=256) == 2048
     assert fa.split_len_for(1024, 256, 4) == 1024  # already 1024 pairs: one split each
     assert fa.split_len_for(1000, 1, 1, block_t=64) == 64  # capped at one tile per split: 16 splits
     assert fa.split_len_for(1024, 16, 4, target_programs=1024) == 64
+    assert fa.split_len_for(1024, 16, 4) == fa.split_len_for(1024, 16, 4, target_programs=fa.SPLIT_PROGRAMS)
     for max_len, batch, bt in ((1, 1, 64), (100, 3, 32), (8192, 240, 64), (5000, 7, 128)):
         sl = fa.split_len_for(max_len, batch, 4, block_t=bt)
         assert sl % bt == 0 and sl >= bt and -(-max_len // sl) * sl >= max_len

@@ -201,11 +201,11 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
 TUNED: dict[bool, tuple[int, int]] = {}
 
 
-# Programs per attention launch that split_len_for aims at: about 2 per SM of a 132-SM H100/H200, which is
-# what the FP4 kernel holds (233 registers/thread: 2 CTAs per SM, ncu). Fewer, longer splits beat the
-# former 1024 at every (ctx, batch, cache) point timed on the H100 (bench/attention_profile.py --sweep,
-# 2026-12-07: FP4 1k B=16 15.8 vs 22.1 us, 8k B=16 83 vs 88 us; BF16 1k B=16 12.3 vs 16.4 us; B=256 ties).
-SPLIT_PROGRAMS = 256
+# Programs per attention launch that split_len_for aims at. 256 beat 1024 at BT=64 (FP4 1k B=16 15.8 vs
+# 22.1 us; bench/attention_profile.py, H100 2026-12-07) but lost at BT=32 (BF16 8k B=16 124 vs 97 us), the
+# tile the bench tunes BF16 to, and the decode run regressed BF16 attention (4.5 -> 6.1 ms/step). So the
+# target must follow the tile; until it does (next session) it stays 1024.
+SPLIT_PROGRAMS = 1024
 
 
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64,
