@@ -34,7 +34,7 @@ from tracerl.kernels import fp4_swizzle as fs  # noqa: E402
 from tracerl.model.config import get_config  # noqa: E402
 
 POINTS = [(1024, 16), (1024, 256), (8192, 16), (8192, 64)]
-PROGRAMS = [256, 512, 1024, 2048, 4096]  # fp4_attention.SPLIT_PROGRAMS is the shipped one (1024 before)
+PROGRAMS = [256, 512, 1024, 2048, 4096]  # the shipped target: fp4_attention.SPLIT_PROGRAMS
 TILES = [(64, 4), (32, 4), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
 FORMATS = ["bf16", "fp4", "fp4-swizzled"]
 

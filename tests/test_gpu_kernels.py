@@ -412,6 +412,7 @@ def test_split_len_for_fills_the_target_programs_with_whole_tiles():
         assert sl % bt == 0 and sl >= bt and -(-max_len // sl) * sl >= max_len
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_swap_ab_is_refused_on_swizzled_weights(monkeypatch):
     """The refusal precedes any launch, so CPU tensors reach it: SWAP_AB with the PTX path on swizzled weights."""
     from tracerl.kernels.fp4_swizzle import SwizzledFP4

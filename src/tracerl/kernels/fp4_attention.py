@@ -211,7 +211,8 @@ SPLIT_PROGRAMS = 1024
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64,
                   target_programs: int | None = None) -> int:
     """Positions per split: enough splits that B * Hkv * S programs fill the GPU, whole BT tiles."""
-    target_programs = target_programs or SPLIT_PROGRAMS
+    if target_programs is None:
+        target_programs = SPLIT_PROGRAMS
     tiles = triton.cdiv(max_len, block_t)
     splits = max(1, min(tiles, target_programs // max(1, batch * n_kv_heads)))
     return triton.cdiv(tiles, splits) * block_t
