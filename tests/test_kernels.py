@@ -211,6 +211,25 @@ def check_record(fq, fmt, dtype, record, per_row, shape, device) -> None:
         assert int(buf[:, 0].sum()) == 0 and int(buf[:, 2].sum()) == 0, "record_out wrote outside its slice"
 
 
+def check_dequant_out(fq, fmt, dtype, kind, per_row, shape, device, out_dtype=torch.bfloat16, guided=False) -> None:
+    """quantize(dequant_out=) writes dequantize's values at unit global scales, into a strided view, nothing else."""
+    x = make_x(kind, shape, dtype, fmt).to(device)
+    K = shape[-1]
+    buf = torch.full((x.numel() // K, 3, K), 7.0, dtype=out_dtype, device=device)
+    out = buf[:, 1].reshape(shape)
+    kw = {"per_row_global": per_row}
+    if guided:
+        kw.update(rounding="guided", guide=make_guide("bit_packed", x, fmt, per_row))
+    q, _ = fq.quantize(x, fmt, dequant_out=out, **kw)
+    q0, _ = fq.quantize(x, fmt, **kw)
+    what = f"dequant_out {fmt} {dtype}->{out_dtype} {kind} per_row={per_row} guided={guided}"
+    assert_q_equal(q, q0, what + " (quantize unchanged)")
+    gs1 = None if q.global_scale is None else torch.ones_like(q.global_scale)
+    ref = fp4.dequantize(fp4.FP4Tensor(q.codes, q.scales, gs1, fmt, q.shape), out_dtype)
+    assert_bits_equal(buf[:, 1].reshape(shape), ref, what)
+    assert bool((buf[:, 0] == 7).all() and (buf[:, 2] == 7).all()), what + ": wrote outside its view"
+
+
 def _e4m3_values() -> torch.Tensor:
     return torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
@@ -459,6 +478,17 @@ def test_record_gpu(fmt, record, per_row):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("kind", ["normal", "huge", "tiny", "zero_blocks", "ties"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequant_out_gpu(fmt, kind):
+    for dtype in DTYPES:
+        for per_row in ((False, True) if fmt == "nvfp4" else (False,)):
+            check_dequant_out(_fq(), fmt, dtype, kind, per_row, SHAPE, "cuda", out_dtype=DTYPES[(DTYPES.index(dtype) + 1) % 3])
+    check_dequant_out(_fq(), fmt, torch.bfloat16, kind, fmt == "nvfp4", SHAPE, "cuda", guided=True)
+
+
+@pytest.mark.gpu
+@gpu
 def test_dispatch_gpu_runs_triton():
     x = make_x("student_t", SHAPE, torch.bfloat16, "nvfp4").cuda()
     assert kernels.backend() == "auto"
@@ -535,6 +565,10 @@ def run_interpreter_suite() -> int:
         for record in ("codes", "lsb"):
             check_record(fq, fmt, torch.bfloat16, record, fmt == "nvfp4", shape, "cpu")
             n += 1
+    for i, kind in enumerate(("zero_blocks", "huge", "student_t")):
+        check_dequant_out(fq, FMTS[i % 2], DTYPES[i], kind, i != 1, shape, "cpu", out_dtype=DTYPES[(i + 1) % 3])
+    check_dequant_out(fq, "nvfp4", torch.bfloat16, "student_t", True, shape, "cpu", guided=True)
+    n += 4
     check_quantize(fq, "nvfp4", torch.bfloat16, "normal", "row", (2, 8192 + 64), "cpu")  # chunked rows
     for dtype in DTYPES:  # ties: tiles on both the FMA-division and the div.rn path
         check_quantize(fq, "nvfp4", dtype, "ties" if dtype != torch.float32 else "near_ties", "given", (40, 96), "cpu")

@@ -31,6 +31,7 @@ from tracerl.kernels.fp4_numerics import (
     _bits,
     _div_fast,
     _e2m1_decode_bytes,
+    _e2m1_nibble_value,
     _e4m3_value,
     _f32,
     _global_scale,
@@ -144,14 +145,15 @@ def _quant_tile(
     x, gs, rows, c0, M, K,
     codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
     sc, ss, st, sm, sr,
-    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
+    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS, dq_ptr, sdq,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GUIDE_SCALES: tl.constexpr,
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
-    SINK: tl.constexpr, SINK_SRC: tl.constexpr,
+    SINK: tl.constexpr, SINK_SRC: tl.constexpr, DQ: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     """Quantize one x tile (BM, NB, P, 8) with per-row global scales gs (BM,) and store its outputs
-    (with SINK, also codes, scales and gs at each row's record row: see `_sink_rows`)."""
+    (with SINK, also codes, scales and gs at each row's record row: see `_sink_rows`; with DQ, also
+    e2m1 * block scale, the global scale not applied, at dq_ptr)."""
     P: tl.constexpr = B // 8
     s_cols = c0 // B + tl.arange(0, NB)[None, :]
     s_offs = rows.to(tl.int64)[:, None] * ss + s_cols
@@ -239,6 +241,14 @@ def _quant_tile(
         lsb = tl.sum((idx & 1) << tl.arange(0, 8)[None, None, None, :], axis=3)
         r_offs, r_mask = _offs(rows, c0, sr, M, K, P, NB, B, 8)
         tl.store(rec_ptr + tl.reshape(r_offs, (BM, NB, P)), lsb.to(tl.uint8), mask=tl.reshape(r_mask, (BM, NB, P)))
+    if DQ:  # what _dequant_kernel gives for these codes with unit global scales, bit for bit
+        if NV:
+            mult = _e4m3_value(sbyte)
+        else:
+            mult = _mx_mult(sbyte)
+        val = _e2m1_nibble_value((code & 15).to(tl.float32)) * mult[:, :, None, None]
+        d_offs, d_mask = _offs(rows, c0, sdq, M, K, P, NB, B, 1)
+        tl.store(dq_ptr + d_offs, val.to(dq_ptr.dtype.element_ty), mask=d_mask)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -264,10 +274,10 @@ def _absmax_kernel(x_ptr, amax_ptr, N, ITERS, BLOCK: tl.constexpr, IN_DTYPE: tl.
 def _quant_kernel(
     x_ptr, codes_ptr, scales_ptr, gs_ptr, gs_out_ptr, tgt_ptr, mask_ptr, rec_ptr,
     M, K, sx, sc, ss, sg, st, sm, sr,
-    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
+    k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS, dq_ptr, sdq,
     IN_DTYPE: tl.constexpr, NV: tl.constexpr, GS: tl.constexpr, GUIDE_SCALES: tl.constexpr,
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
-    SINK: tl.constexpr, SINK_SRC: tl.constexpr,
+    SINK: tl.constexpr, SINK_SRC: tl.constexpr, DQ: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
 ):
     """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == GS_ROW (M/BM,) and a loop over K."""
@@ -286,7 +296,8 @@ def _quant_kernel(
             x = _load_x(x_ptr, rows, c0, sx, M, K, P, NB, B, IN_DTYPE)
             _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
                         sc, ss, st, sm, sr, k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
-                    IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, BM, NB, B)
+                        dq_ptr, sdq, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, DQ,
+                        BM, NB, B)
     else:
         pid_k = tl.program_id(1)
         c0 = pid_k * BK
@@ -303,7 +314,7 @@ def _quant_kernel(
             gs = tl.full((BM,), 1.0, tl.float32)
         _quant_tile(x, gs, rows, c0, M, K, codes_ptr, scales_ptr, tgt_ptr, mask_ptr, rec_ptr,
                     sc, ss, st, sm, sr, k_codes, k_scales, k_gs, k_src, k_flat, k_sc, k_ss, k_G, k_PR, k_PS,
-                    IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, BM, NB, B)
+                    dq_ptr, sdq, IN_DTYPE, NV, GUIDE_SCALES, ROUND, MASK, RECORD, FAST, SINK, SINK_SRC, DQ, BM, NB, B)
 
 
 @triton.jit(do_not_specialize=["M", "sg"])
@@ -405,6 +416,7 @@ def quantize(
     record_out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
     sink: RecordSink | None = None,
+    dequant_out: torch.Tensor | None = None,
 ) -> tuple[fp4.FP4Tensor, torch.Tensor | None]:
     """Triton FP4 quantize of x (bf16/fp16/fp32, blocks along the last dim) -> (FP4Tensor, record).
 
@@ -413,6 +425,9 @@ def quantize(
     byte j = lsb of element 8j+i's magnitude index, (..., K//8) uint8) into `record_out` or a new
     tensor. `config` = (BM, BK, num_warps) overrides the tile heuristic (benchmarks). `sink`: also
     store each row's codes, scales and global scale at its record row (kernels/record_sink.py).
+    `dequant_out`: a BF16/fp16/fp32 (..., K) tensor that also receives e2m1 * block scale, the global
+    scale not applied (`dequantize` of the result with unit global scales, bit for bit), in the same
+    pass: what fp4_gemm's FP4-activation GEMMs read (their epilogue divides by the global scale).
     See tracerl.kernels for the accepted guide forms.
     """
     spec = fp4.format_spec(fmt)
@@ -509,6 +524,16 @@ def quantize(
             rec = torch.empty(M, K // 8, dtype=torch.uint8, device=dev)
         sr = rec.stride(0)
 
+    dq, sdq = dummy, 0
+    if dequant_out is not None:
+        if tuple(dequant_out.shape) != tuple(shape) or dequant_out.dtype not in _DTYPE_CODE:
+            raise ValueError(f"dequant_out must be float32/bfloat16/float16 {tuple(shape)}, got "
+                             f"{dequant_out.dtype} {tuple(dequant_out.shape)}")
+        dq = dequant_out.view(-1, K)  # a view, so the kernel writes into dequant_out
+        if dq.stride(-1) != 1 or dq.device != dev:
+            raise ValueError("dequant_out needs a unit stride along its last dim, on x's device")
+        sdq = dq.stride(0)
+
     k_args = (dummy, dummy, dummy, dummy, dummy, 0, 0, 1, NO_PLANES, 0)
     if sink is not None:
         sink.check(M, K, spec)
@@ -521,10 +546,10 @@ def quantize(
     if M > 0:
         _quant_kernel[grid](
             xk, codes, scales, gs_in, gs_out, tgt, msk, rec,
-            M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr, *k_args,
+            M, K, sx, codes.stride(0), scales.stride(0), sg, st, sm, sr, *k_args, dq, sdq,
             IN_DTYPE=in_code, NV=spec.has_global_scale, GS=gs_mode, GUIDE_SCALES=guide_scales,
             ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
-            SINK=sink is not None, SINK_SRC=sink is not None and sink.src is not None,
+            SINK=sink is not None, SINK_SRC=sink is not None and sink.src is not None, DQ=dequant_out is not None,
             BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
         )
     q = fp4.FP4Tensor(codes=codes.reshape(*lead, K // 2), scales=scales_ret, global_scale=gs_ret,
