@@ -18,6 +18,7 @@ random K/V quantized per row as the decoder's FP4 cache stores them. Bytes = K a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -26,17 +27,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm_profile import graph_ms  # noqa: E402  (the same CUDA-graph timing as the GEMM sweep)
-from rollout import copy_bandwidth  # noqa: E402
 
 from tracerl import kernels  # noqa: E402
 from tracerl.kernels import fp4_attention as fa  # noqa: E402
 from tracerl.kernels import fp4_swizzle as fs  # noqa: E402
 from tracerl.model.config import get_config  # noqa: E402
 
-POINTS = [(1024, 16), (1024, 256), (8192, 16), (8192, 64)]
-PROGRAMS = [256, 512, 1024, 2048, 4096]  # the shipped target: fp4_attention.SPLIT_PROGRAMS
-TILES = [(64, 4), (32, 4), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
-FORMATS = ["bf16", "fp4", "fp4-swizzled"]
+POINTS = [(1024, 16), (1024, 256), (8192, 16), (8192, 64), (1024, 1024)]
+PROGRAMS = [256, 512, 1024]  # the shipped default target: fp4_attention.SPLIT_PROGRAMS
+TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
+MAXNREG = [None, 168]  # registers per thread: 168 lets 3 CTAs of 4 warps share an SM (128: spills, slower)
+FORMATS = ["bf16", "fp4-swizzled"]  # the decoder's layouts; "fp4" (natural) on request
+ALL_FORMATS = ["bf16", "fp4", "fp4-swizzled"]
 
 
 class Cache:
@@ -64,41 +66,60 @@ class Cache:
                        "fp4": 2 * (kq.codes.numel() + kq.scales.numel() + kq.global_scale.numel() * 4)}
         self.nbytes["fp4-swizzled"] = self.nbytes["fp4"]
 
-    def call(self, fmt: str, programs: int | None = None, tile: tuple[int, int] = (64, 4)):
-        """A no-argument launch of the attention (+ merge) at this split and tile."""
+    def call(self, fmt: str, programs: int | None = None, tile: tuple[int, int] = (64, 4),
+             maxnreg: int | None = None, asm: bool | None = None, words: bool | None = None):
+        """A no-argument launch of the attention (+ merge) at this split, tile, register cap and decode."""
         bt, nw = tile
         sl = fa.split_len_for(self.ctx, self.batch, self.hkv, bt, target_programs=programs)
         kv = self.kv[fmt]
-        return lambda: fa.decode_attention(self.q, self.lens, **kv, split_len=sl, block_t=bt, num_warps=nw)
+        return lambda: fa.decode_attention(self.q, self.lens, **kv, split_len=sl, block_t=bt, num_warps=nw,
+                                           maxnreg=maxnreg, asm=asm, words=words)
 
 
-def sweep(points: list[tuple[int, int]], out: str | None) -> list[dict]:
-    """Time every (format, point, programs, tile); print one JSON line each, the best per (format,
-    point) last, and write them all to `out`."""
+def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
+          programs_list: list[int] | None = None, tiles: list[tuple[int, int]] | None = None,
+          maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None) -> list[dict]:
+    """Time every (format, point, programs, tile, register cap, word decode); print one JSON line
+    each, the best per (format, point) last, and write them all to `out`."""
+    from rollout import copy_bandwidth  # here, not at import: bench/rollout.py imports this module
+
     bw = copy_bandwidth()
     rows: list[dict] = []
     for ctx, batch in points:
         cache = Cache(ctx, batch)
-        ref = {f: cache.call(f)().float() for f in FORMATS}
-        for fmt in FORMATS:
-            for programs in PROGRAMS:
-                for tile in TILES:
-                    fn = cache.call(fmt, programs, tile)
+        ref = {f: cache.call(f)().float() for f in formats}
+        for fmt in formats:
+            wl = words_list if words_list is not None else [False, True]
+            for programs, tile, nreg, words in itertools.product(
+                    programs_list or PROGRAMS, tiles or TILES, maxnregs or MAXNREG,
+                    wl if fmt == "fp4-swizzled" else (False,)):
+                fn = cache.call(fmt, programs, tile, nreg, words=words)
+                try:
                     rel = float((fn().float() - ref[fmt]).norm() / ref[fmt].norm())
                     ms = graph_ms(fn)
-                    row = {"format": fmt, "ctx": ctx, "batch": batch, "programs": programs, "tile": tile,
-                           "ms": ms, "roofline_frac": cache.nbytes[fmt] / (ms * 1e-3) / bw, "rel_to_default": rel}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                except Exception as e:  # a config that does not compile or launch: say so, go on
+                    print(json.dumps({"format": fmt, "ctx": ctx, "batch": batch, "programs": programs,
+                                      "tile": tile, "maxnreg": nreg, "words": words,
+                                      "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
+                    continue
+                row = {"format": fmt, "ctx": ctx, "batch": batch, "programs": programs, "tile": tile,
+                       "maxnreg": nreg, "words": words, "ms": ms,
+                       "roofline_frac": cache.nbytes[fmt] / (ms * 1e-3) / bw, "rel_to_default": rel}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         del cache
         torch.cuda.empty_cache()
     for ctx, batch in points:
-        for fmt in FORMATS:
+        for fmt in formats:
             mine = [r for r in rows if (r["format"], r["ctx"], r["batch"]) == (fmt, ctx, batch)]
+            if not mine:
+                continue
             best = min(mine, key=lambda r: r["ms"])
-            dflt = next(r for r in mine if r["programs"] == fa.SPLIT_PROGRAMS and tuple(r["tile"]) == (64, 4))
+            dflt = next((r for r in mine if r["programs"] == fa.SPLIT_PROGRAMS and tuple(r["tile"]) == (64, 4)
+                         and r["maxnreg"] is None and not r["words"]), best)
             print(f"best {fmt:13s} ctx={ctx:5d} B={batch:4d}: {best['ms'] * 1e3:7.1f} us "
-                  f"(programs {best['programs']}, tile {tuple(best['tile'])}, roofline {best['roofline_frac']:.2f}) "
+                  f"(programs {best['programs']}, tile {tuple(best['tile'])}, maxnreg {best['maxnreg']}, "
+                  f"words {best['words']}, roofline {best['roofline_frac']:.2f}) "
                   f"vs default {dflt['ms'] * 1e3:7.1f} us ({dflt['roofline_frac']:.2f})", flush=True)
     if out:
         tmp = out + ".tmp"
@@ -108,12 +129,12 @@ def sweep(points: list[tuple[int, int]], out: str | None) -> list[dict]:
     return rows
 
 
-def ncu_launches(points: list[tuple[int, int]]) -> None:
+def ncu_launches(points: list[tuple[int, int]], formats: list[str]) -> None:
     """Warm every (format, point) at the shipped split and tile, then launch each once inside
     cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)."""
     for ctx, batch in points:
         cache = Cache(ctx, batch)
-        for fmt in FORMATS:
+        for fmt in formats:
             fn = cache.call(fmt)
             fn()
             torch.cuda.synchronize()
@@ -132,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--points", default=",".join(f"{c}:{b}" for c, b in POINTS), help="ctx:batch,...")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"some of {','.join(ALL_FORMATS)}")
+    ap.add_argument("--programs", default="", help="program targets to sweep, e.g. 256,1024 (default: PROGRAMS)")
+    ap.add_argument("--tiles", default="", help="block_t:num_warps,... (default: TILES)")
+    ap.add_argument("--maxnreg", default="", help="register caps, 0 = none (default: MAXNREG)")
+    ap.add_argument("--words", default="", help="0,1: word decode of the swizzled cache (default: both)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -141,10 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",") if p]
     except ValueError:
         ap.error(f"--points {args.points!r}: give ctx:batch pairs, e.g. 8192:16,1024:256")
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or set(formats) - set(ALL_FORMATS):
+        ap.error(f"--formats {args.formats!r}: choose from {','.join(ALL_FORMATS)}")
+    def ints(v: str) -> list[int]:
+        return [int(x) for x in v.split(",") if x]
+
     if args.sweep:
-        sweep(points, args.out)
+        tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t] or None
+        sweep(points, formats, args.out, ints(args.programs) or None, tiles,
+              [n or None for n in ints(args.maxnreg)] or None, [bool(w) for w in ints(args.words)] or None)
     if args.ncu:
-        ncu_launches(points)
+        ncu_launches(points, formats)
     return 0
 
 

@@ -35,7 +35,6 @@ import torch
 from tracerl import qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
-from tracerl.kernels import fp4_swizzle as fs
 from tracerl.kernels.fp4_swizzle import SwizzledFP4
 from tracerl.model.config import get_config
 from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, quantize_weight
@@ -147,15 +146,64 @@ GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 
 # the compiler, so they take no software prefetch)
 VARIANTS = {"prefetch": (True, False, False), "plain": (False, False, False), "swap": (False, True, False),
             "swap+prefetch": (True, True, False), "tma": (False, False, True), "swap+tma": (False, True, True)}
-ATTN_CONFIGS = [(64, 4), (32, 4), (64, 8), (128, 8)]
+ATTN_TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps)
+ATTN_PROGRAMS = [256, 512, 1024]
+ATTN_MAXNREG = [None, 168]
+
+
+def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
+    """Pick fa.TUNED per cache format: every (tile, program target, register cap[, word decode]) timed
+    (CUDA graph) at a decode batch of 16 (ctx and 8k) and at `batch`, kept by its summed time relative
+    to each point's best (the program target matters only where B * Hkv is below it: small batches)."""
+    import itertools
+
+    # here, not at import: both modules import this one
+    from attention_profile import Cache
+    from gemm_profile import graph_ms
+
+    out: list[dict] = []
+    points = list(dict.fromkeys([(ctx, 16), (8192, 16), (ctx, batch)]))
+    swz = fa.SWIZZLE_KV and fa.kv_swizzle_check("cuda") == "swizzle ok"
+    fmts = {False: "bf16", True: "fp4-swizzled" if swz else "fp4"}
+    times: dict[tuple, dict[tuple, float]] = {}
+    for ctx_, b in points:
+        cache = Cache(ctx_, b)
+        for fp4_kv, fmt in fmts.items():
+            words_opts = (False, True) if fmt == "fp4-swizzled" else (False,)
+            for (bt, nw), programs, nreg, words in itertools.product(ATTN_TILES, ATTN_PROGRAMS, ATTN_MAXNREG,
+                                                                     words_opts):
+                c = fa.AttentionConfig(bt, nw, programs, nreg, words)
+                row = {"kernel": f"attention {fmt} kv", "batch": b, "context": ctx_, "config": c._asdict(),
+                       "bytes": cache.nbytes[fmt]}
+                try:
+                    ms = graph_ms(cache.call(fmt, programs, (bt, nw), nreg, words=words))
+                    row.update(ms=ms, GBps=cache.nbytes[fmt] / ms / 1e6, roofline_frac=cache.nbytes[fmt] / bw / (ms * 1e-3))
+                    times.setdefault((fp4_kv, ctx_, b), {})[c] = ms
+                except Exception as e:  # keep going: report what failed
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                out.append(row)
+                print("micro", json.dumps(row), flush=True)
+            if fmt == "fp4-swizzled" and (ctx_, b) == (ctx, batch):  # the swizzle's own gain, default config
+                ms = graph_ms(cache.call("fp4"))
+                out.append({"kernel": "attention fp4 kv natural", "batch": b, "context": ctx_, "ms": ms,
+                            "roofline_frac": cache.nbytes["fp4"] / bw / (ms * 1e-3)})
+        del cache
+        torch.cuda.empty_cache()
+    for fp4_kv in fmts:
+        per_point = [t for k, t in times.items() if k[0] == fp4_kv]
+        common = set.intersection(*(set(t) for t in per_point)) if per_point else set()
+        if common:
+            fa.TUNED[fp4_kv] = min(common, key=lambda c: sum(t[c] / min(t.values()) for t in per_point))
+            print(f"tuned attention {fmts[fp4_kv]}: {fa.TUNED[fp4_kv]}", flush=True)
+    return out
 
 
 def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
-    """One layer's expert GEMMs and attention at `batch`, per kernel and tile config (CUDA events).
+    """One layer's expert GEMMs and attention at `batch`, per kernel and tile config.
 
-    Sweeps (BN, BK, num_warps) of each grouped GEMM and (BT, num_warps) of attention, keeps the
-    fastest in fg.TUNED / fa.TUNED for the decode sweep, and times the vendor BF16 grouped GEMM
-    (torch._grouped_mm) as the BF16 alternative."""
+    Sweeps (BN, BK, num_warps) of each grouped GEMM (CUDA events) and keeps the fastest in fg.TUNED,
+    times the vendor BF16 grouped GEMM (torch._grouped_mm) as the BF16 alternative, and tunes the
+    attention (`tune_attention`: fa.TUNED) for the decode sweep."""
     from tracerl import kernels
 
     out = []
@@ -237,34 +285,9 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     rec("experts bf16 torch._grouped_mm", moe_grouped_mm, b16["gu"] + b16["dn"], touched_experts=touched)
     rec("experts bf16 triton (tuned)", moe_triton(wgu, wdn), b16["gu"] + b16["dn"], touched_experts=touched)
     rec("experts w4a16 triton (tuned)", moe_triton(qgu, qdn), b4["gu"] + b4["dn"], touched_experts=touched)
-    Hkv, Dh, H = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
-    q = torch.randn(batch, H, Dh, device=dev, generator=g).bfloat16()
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    k = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
-    v = torch.randn(batch, ctx, Hkv, Dh, device=dev, generator=g).bfloat16()
-    kq = kernels.quantize(k, "nvfp4", per_row_global=True)
-    vq = kernels.quantize(v, "nvfp4", per_row_global=True)
-    kf = (kq.codes, kq.scales.view(torch.uint8), kq.global_scale)
-    vf = (vq.codes, vq.scales.view(torch.uint8), vq.global_scale)
-    sl = fa.split_len_for(ctx, batch, Hkv)
-    nb16 = 2 * k.numel() * 2
-    nb4 = 2 * (kq.codes.numel() + kq.scales.numel() + kq.global_scale.numel() * 4)
-    fa.TUNED[False] = min(ATTN_CONFIGS, key=lambda c: rec(
-        "attention bf16 kv", lambda: fa.decode_attention(q, lens, k=k, v=v, split_len=sl, block_t=c[0], num_warps=c[1]),
-        nb16, config=c, context=ctx))
-    # tuned on the layout the decoder runs (swizzled where fp4_attention.kv_swizzle_check passed);
-    # the natural cache is timed at each config too, for the swizzle's own gain
-    swz = fa.SWIZZLE_KV and fa.kv_swizzle_check(dev) == "swizzle ok"
-    kfs, vfs = ((*fs.swizzle_blocks(t[0], t[1]), t[2]) for t in (kf, vf)) if swz else (kf, vf)
-    for c in ATTN_CONFIGS if swz else ():
-        rec("attention fp4 kv natural", lambda c=c: fa.decode_attention(
-            q, lens, k_fp4=kf, v_fp4=vf, split_len=sl, block_t=c[0], num_warps=c[1]), nb4, config=c, context=ctx)
-    fa.TUNED[True] = min(ATTN_CONFIGS, key=lambda c: rec(
-        "attention fp4 kv", lambda: fa.decode_attention(q, lens, k_fp4=kfs, v_fp4=vfs, split_len=sl, block_t=c[0],
-                                                        num_warps=c[1], swizzled=swz), nb4, config=c, context=ctx,
-        swizzled=swz))
+    out += tune_attention(bw, batch, ctx)
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "gemm_variant": chosen,
-                "tuned_attention": {str(k_): v_ for k_, v_ in fa.TUNED.items()}})
+                "tuned_attention": {str(k_): v_._asdict() for k_, v_ in fa.TUNED.items()}})
     print("tuned", out[-1], flush=True)
     return out
 

@@ -162,6 +162,9 @@ def compile_variants(log: list, regs: bool = False) -> None:
             fg.row_tiles(offs, 16, fg.max_row_tiles(E, T * K, 16))
             fg.route(torch.randn(T, 16, generator=g), 4)
             fg.dispatch(ids, gates, E)
+            fg.DISPATCH_ONE_TILE = False  # the chunk loop too
+            fg.dispatch(ids, gates, E)
+            fg.DISPATCH_ONE_TILE = True
 
             B, H, Hkv, Dh, L = 3, 32, 4, 128, 80
             q = torch.randn(B, H, Dh, generator=g).bfloat16()
@@ -171,10 +174,11 @@ def compile_variants(log: list, regs: bool = False) -> None:
             for asm in (True, False):
                 fg.USE_ASM = asm
                 fa.decode_attention(q, lens, k=k, v=v, split_len=32)
-                for swz in (False, True):  # natural and swizzled (the decoder's) FP4 caches
+                # natural and swizzled (the decoder's) FP4 caches; the swizzled one also decoded by words
+                for swz, words in ((False, False), (True, False), (True, True)):
                     fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
                                         v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32,
-                                        swizzled=swz)
+                                        swizzled=swz, words=words)
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()
@@ -206,6 +210,9 @@ def compile_variants(log: list, regs: bool = False) -> None:
                 guide = fp4.RoundingGuide(bit=rec, scales=qr.scales, global_scale=qr.global_scale)
                 fp4_quant.quantize(a.to(dt), "nvfp4", "guided", guide=guide)
                 fp4_quant.dequantize(qr, dt)
+                # with the BF16 c * s8 written in the same pass (the decoder's FP4 expert inputs)
+                fp4_quant.quantize(a.to(dt), "nvfp4", per_row_global=True,
+                                   dequant_out=torch.empty(8, 256, dtype=torch.bfloat16))
             # the graph engine's recording: a second store at each row's record row (with and
             # without a source index: token / KV rows and expert-sorted pairs)
             from tracerl.kernels.record_sink import RecordSink

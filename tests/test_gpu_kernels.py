@@ -189,8 +189,15 @@ def check_route_dispatch(dev: str, T=37, E=16, K=4):
     ids, gates = fg.route(logits, K)
     ir, gr = fg.route_reference(logits, K)
     assert torch.equal(ids, ir) and torch.allclose(gates, gr, rtol=1e-6, atol=1e-7)
-    for got, want in zip(fg.dispatch(ids, gates, E), fg.dispatch_reference(ids, gates, E)):
-        assert torch.equal(got, want)
+    want = fg.dispatch_reference(ids, gates, E)
+    for one_tile in (True, False):  # all pairs histogrammed in one tile, and chunk by chunk
+        fg.DISPATCH_ONE_TILE = one_tile
+        try:
+            got = fg.dispatch(ids, gates, E)
+        finally:
+            fg.DISPATCH_ONE_TILE = True
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), f"one_tile={one_tile}"
 
 
 def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_t=16):
@@ -215,6 +222,15 @@ def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_
     o0 = fa.decode_attention(q, lens, k_fp4=n[0], v_fp4=n[1], split_len=split_len, block_t=block_t)
     o1 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True)
     assert torch.equal(o0, o1)
+    # neither a register cap (spills move no arithmetic) nor the portable nibble decode changes a bit
+    o2 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True,
+                             maxnreg=128)
+    o3 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True,
+                             asm=False)
+    # the swizzled cache decoded by whole words (PTX; the interpreter runs the byte path) is the same too
+    o4 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True,
+                             words=True)
+    assert torch.equal(o1, o2) and torch.equal(o1, o3) and torch.equal(o1, o4)
     assert fa.kv_swizzle_check(dev) == "swizzle ok"
 
 
@@ -404,12 +420,31 @@ def test_split_len_for_fills_the_target_programs_with_whole_tiles():
     assert fa.split_len_for(1024, 16, 4, target_programs=256) == 256  # 64 (slot, head) pairs x 4 splits
     assert fa.split_len_for(8192, 16, 4, target_programs=256) == 2048
     assert fa.split_len_for(1024, 256, 4) == 1024  # already 1024 pairs: one split each
+    assert fa.split_len_for(1024, 16, 4) == 256  # the default target: 256 programs
     assert fa.split_len_for(1000, 1, 1, block_t=64) == 64  # capped at one tile per split: 16 splits
     assert fa.split_len_for(1024, 16, 4, target_programs=1024) == 64
     assert fa.split_len_for(1024, 16, 4) == fa.split_len_for(1024, 16, 4, target_programs=fa.SPLIT_PROGRAMS)
     for max_len, batch, bt in ((1, 1, 64), (100, 3, 32), (8192, 240, 64), (5000, 7, 128)):
         sl = fa.split_len_for(max_len, batch, 4, block_t=bt)
         assert sl % bt == 0 and sl >= bt and -(-max_len // sl) * sl >= max_len
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_decoder_split_follows_the_tuned_attention_config(monkeypatch):
+    """The decoder's static split uses the tile and program target tuned for its cache format, not the default."""
+    from tracerl import model as M
+    from tracerl.rollout.gpu import DecoderWeights, GPUDecoder
+
+    m = M.build("tiny", seed=0)
+    packed = m.pack_weights(qat.Recipe("w4a4kv4"))
+    w = DecoderWeights.from_packed(m.config, packed, device="cpu")
+    # 4 slots x 2 KV heads = 8 (slot, head) pairs over 512 positions
+    assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 64  # default: 256 programs, BT=64
+    monkeypatch.setitem(fa.TUNED, True, fa.AttentionConfig(block_t=32, num_warps=4, programs=16))
+    assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 256  # 2 splits of 8 BT=32 tiles
+    # a BF16 cache reads its own entry, still the default here
+    wb = DecoderWeights.from_packed(m.config, m.pack_weights(qat.Recipe("bf16")), device="cpu")
+    assert GPUDecoder(wb, batch=4, max_len=512, use_graph=False).split_len == 64
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -494,6 +529,12 @@ def test_kernels_gpu_small():
 @pytest.mark.gpu
 def test_grouped_gemm_gpu_realistic():
     check_grouped_gemm("cuda", E=16, F=768, D=2048, T=64, K=8)
+
+
+@gpu
+@pytest.mark.gpu
+def test_route_dispatch_gpu_largest_batch():
+    check_route_dispatch("cuda", T=1776, E=128, K=8)  # 14208 pairs, 111 chunks of 128
 
 
 @gpu

@@ -22,6 +22,7 @@ that path rounds c * s8 / gs to BF16 and this kernel feeds P to the PV dot in BF
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,7 +35,7 @@ from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the 
     fp4_rows,
     qkv_post_reference,
 )
-from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _fp4_load, _w_dequant
+from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _w_decode, _w_load
 
 
 @triton.jit
@@ -49,9 +50,10 @@ def _softmax_update(s, tmask, m_i, l_i):
 
 @triton.jit
 def _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev, acc_od, sm_scale,
-              BT: tl.constexpr, DH: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr):
+              BT: tl.constexpr, DH: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
+              WORDS: tl.constexpr):
     """One BT-position tile of an FP4 cache from its loaded bytes: the updated (m, l, even acc, odd acc)."""
-    k_ev, k_od = _w_dequant(pk, sk, BT, DH, ASM, F32, SWZ)
+    k_ev, k_od = _w_decode(pk, sk, BT, DH, ASM, F32, SWZ, WORDS)
     s = tl.dot(q_ev, tl.trans(k_ev))
     s = tl.dot(q_od, tl.trans(k_od), s)
     if SWZ:  # swizzled K enters the dot as c * s8 * 2**-9: a power of two, so bit for bit the same
@@ -59,7 +61,7 @@ def _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev, acc_
     else:
         s = s * (sm_scale / gk)[None, :]
     p, alpha, m_i, l_i = _softmax_update(s, tmask, m_i, l_i)
-    v_ev, v_od = _w_dequant(pv_, sv, BT, DH, ASM, F32, SWZ)
+    v_ev, v_od = _w_decode(pv_, sv, BT, DH, ASM, F32, SWZ, WORDS)
     pv = p / gv[None, :]
     if not F32:
         pv = _bf16(pv)
@@ -84,13 +86,15 @@ def _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32: tl.constexpr):
 
 
 @triton.jit
-def _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT: tl.constexpr, DH: tl.constexpr):
-    """Packed K and V codes, scale bytes and row global scales of positions t..t+BT (masked at t1)."""
+def _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT: tl.constexpr, DH: tl.constexpr,
+                 WORDS: tl.constexpr):
+    """Packed K and V codes (int32 words with WORDS), scale bytes and row global scales of positions
+    t..t+BT (masked at t1)."""
     ts = t + tl.arange(0, BT)
     tmask = ts < t1
     ts = tl.where(tmask, ts, 0)  # int32: offsets inside one slot
-    pk, sk = _fp4_load(kc, ks, ts, tmask[:, None], sct, sst, 0, DH)
-    pv, sv = _fp4_load(vc, vs, ts, tmask[:, None], sct, sst, 0, DH)
+    pk, sk = _w_load(kc, ks, ts, tmask[:, None], sct, sst, 0, DH, WORDS)
+    pv, sv = _w_load(vc, vs, ts, tmask[:, None], sct, sst, 0, DH, WORDS)
     gk = tl.load(kg + ts * sgt, mask=tmask, other=1.0)
     gv = tl.load(vg + ts * sgt, mask=tmask, other=1.0)
     return pk, sk, pv, sv, gk, gv
@@ -113,7 +117,7 @@ def _decode_attn_kernel(
     len_ptr, po_ptr, pml_ptr,
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
-    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
+    KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, WORDS: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -152,13 +156,13 @@ def _decode_attn_kernel(
         vb = v_ptr + b64 * skb + hk * DH
     t = t0
     if KV_FP4:  # software prefetch of the next tile's packed K/V in registers (see fp4_gemm's K loop)
-        pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH)
+        pk, sk, pv_, sv, gk, gv = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t, t1, sct, sst, sgt, BT, DH, WORDS)
     while t < t1:
         tmask = t + tl.arange(0, BT) < t1
         if KV_FP4:
-            nxt = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t + BT, t1, sct, sst, sgt, BT, DH)
+            nxt = _fp4_kv_load(kc, ks, vc, vs, kg, vg, t + BT, t1, sct, sst, sgt, BT, DH, WORDS)
             m_i, l_i, acc_ev, acc_od = _fp4_tile(q_ev, q_od, pk, sk, pv_, sv, gk, gv, tmask, m_i, l_i, acc_ev,
-                                                 acc_od, sm_scale, BT, DH, ASM, F32, SWZ)
+                                                 acc_od, sm_scale, BT, DH, ASM, F32, SWZ, WORDS)
             pk, sk, pv_, sv, gk, gv = nxt
         else:
             kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
@@ -193,19 +197,38 @@ def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexp
     tl.store(out_ptr + bh * DH + d, _bf16(num / den))
 
 
-# KV_FP4 -> (block_t, num_warps); benchmarks may fill it from a sweep (bench/rollout.py --micro). The split
-# runs as a `while` loop with the next tile prefetched in registers. A compiler-pipelined `for` form
-# (async copies into shared memory, 2-3 tiles in flight) was timed on the H100 on 2026-12-07 and taken out:
-# it gained nothing (FP4 0.258 vs 0.258 ms, BF16 0.262 vs 0.264 at B=256, 1k) and its swizzled-cache
-# output was wrong on the GPU (bench/RESULTS.md).
-TUNED: dict[bool, tuple[int, int]] = {}
+class AttentionConfig(NamedTuple):
+    """How the decode attention is launched: positions per tile, warps, the programs per launch the
+    split aims at (`split_len_for`), a register cap per thread (None: the compiler's choice), and
+    whether a swizzled FP4 cache is decoded by whole 32-bit words (`fp4_gemm._swz_word_dequant`:
+    the PTX path; the same values bit for bit, fewer instructions and registers than by bytes)."""
+
+    block_t: int = 64
+    num_warps: int = 4
+    programs: int = 256
+    maxnreg: int | None = None
+    words: bool = False
 
 
-# Programs per attention launch that split_len_for aims at. 256 beat 1024 at BT=64 (FP4 1k B=16 15.8 vs
-# 22.1 us; bench/attention_profile.py, H100 2026-12-07) but lost at BT=32 (BF16 8k B=16 124 vs 97 us), the
-# tile the bench tunes BF16 to, and the decode run regressed BF16 attention (4.5 -> 6.1 ms/step). So the
-# target must follow the tile; until it does (next session) it stays 1024.
-SPLIT_PROGRAMS = 1024
+# The split runs as a `while` loop with the next tile prefetched in registers. A compiler-pipelined
+# `for` form (async copies into shared memory, 2-3 tiles in flight) was timed on the H100 on 2026-12-07
+# and taken out: it gained nothing (FP4 0.258 vs 0.258 ms, BF16 0.262 vs 0.264 at B=256, 1k) and its
+# swizzled-cache output was wrong on the GPU (bench/RESULTS.md).
+#
+# Programs per launch: the best target follows the tile (bench/attention_profile.py, H100 2026-12-07):
+# at BT=64 256 programs won at every point and format (FP4 1k B=16 15.8 vs 22.1 us at 1024; 256 is one
+# wave of 2 CTAs on each of 132 SMs), at BT=32 512-1024 won (BF16 8k B=16 94 vs 125 us at 256). So the
+# target is part of the tuned config, and the default is the BT=64 one.
+DEFAULT_CONFIG = AttentionConfig()
+SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
+
+# KV_FP4 -> AttentionConfig; benchmarks fill it from a sweep at decode batch sizes (bench/rollout.py micro)
+TUNED: dict[bool, AttentionConfig] = {}
+
+
+def attention_config(fp4_kv: bool) -> AttentionConfig:
+    """The launch config the decoder uses for a BF16 (False) or FP4 (True) cache: tuned, else default."""
+    return TUNED.get(fp4_kv, DEFAULT_CONFIG)
 
 
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64,
@@ -231,6 +254,9 @@ def decode_attention(
     block_t: int | None = None,
     num_warps: int | None = None,
     swizzled: bool = False,
+    maxnreg: int | None = None,
+    asm: bool | None = None,
+    words: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
@@ -238,12 +264,18 @@ def decode_attention(
     global scales) of one layer as FP4KVCache stores them (`swizzled`: codes and scale bytes as
     `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
-    that a CUDA graph can replay it for any lens); default from the cache length.
+    that a CUDA graph can replay it for any lens); default from the cache length and the tuned
+    config (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
+    the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one.
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    tb, tw = TUNED.get(fp4_kv, (64, 4))
-    block_t, num_warps = block_t or tb, num_warps or tw
+    tuned = attention_config(fp4_kv)
+    programs = tuned.programs if block_t in (None, tuned.block_t) else None
+    block_t, num_warps = block_t or tuned.block_t, num_warps or tuned.num_warps
+    maxnreg = maxnreg or tuned.maxnreg
+    asm = fp4_gemm.USE_ASM if asm is None else asm
+    words = (tuned.words if words is None else words) and swizzled and asm and fp4_kv and not INTERPRET
     if fp4_kv:
         kc, ks, kg = k_fp4
         vc, vs, vg = v_fp4
@@ -253,6 +285,8 @@ def decode_attention(
                 raise ValueError("FP4 cache codes/scales must be contiguous over (Hkv, last dim)")
         if kc.stride() != vc.stride() or ks.stride() != vs.stride() or kg.stride() != vg.stride():
             raise ValueError("K and V FP4 views must share strides")
+        if words and (kc.data_ptr() % 4 or vc.data_ptr() % 4 or any(st % 4 for st in kc.stride()[:-1])):
+            words = False  # word loads need 4-byte aligned rows; the byte path reads any layout
         ks, vs = ks.view(torch.uint8), vs.view(torch.uint8)
     else:
         T, Hkv = k.shape[1], k.shape[2]
@@ -263,7 +297,7 @@ def decode_attention(
     G = H // Hkv
     if q.stride(-1) != 1 or q.stride(-2) != Dh:
         q = q.contiguous()
-    split_len = split_len or split_len_for(T, B, Hkv, block_t)
+    split_len = split_len or split_len_for(T, B, Hkv, block_t, programs)
     S = triton.cdiv(T, split_len)
     po = torch.empty(B, H, S, Dh, device=q.device, dtype=torch.float32)
     pml = torch.empty(B, H, S, 2, device=q.device, dtype=torch.float32)
@@ -278,7 +312,8 @@ def decode_attention(
     _decode_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=fp4_gemm.USE_ASM and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, num_warps=num_warps, num_stages=2,
+        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, num_warps=num_warps, num_stages=2,
+        **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
     )
     _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out

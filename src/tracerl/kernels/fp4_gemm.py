@@ -145,6 +145,35 @@ or.b32 a, a, c;
 fma.rn.bf16x2 $3, a, $6, z;
 }
 """)
+# As _SWZ_TO_BF16, for one 32-bit word of swizzled codes and its block scale as a BF16 pair, handed in
+# as one 64-bit register $4 (low: codes, high: scale; `_swz_word_dequant`): no byte packing around the
+# decode, and one operand, so codes and scales share a register layout. $5-$7 are $4 again (the pack of
+# 4 is one word's 4 output lanes).
+_SWZ_WORD_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 w, s, a, b, c, z;
+mov.b64 {w, s}, $4;
+mov.b32 z, 0x80008000;
+and.b32 a, w, 0x81C081C0;
+fma.rn.bf16x2 $0, a, s, z;
+shl.b32 a, w, 3;
+and.b32 a, a, 0x81C081C0;
+fma.rn.bf16x2 $1, a, s, z;
+shl.b32 a, w, 6;
+and.b32 a, a, 0x81C081C0;
+fma.rn.bf16x2 $2, a, s, z;
+shl.b32 a, w, 1;
+and.b32 a, a, 0x80008000;
+shr.b32 b, w, 3;
+and.b32 b, b, 0x01800180;
+shr.b32 c, w, 7;
+and.b32 c, c, 0x00400040;
+or.b32 a, a, b;
+or.b32 a, a, c;
+fma.rn.bf16x2 $3, a, s, z;
+}
+""")
+
 C_SWZ_PORTABLE = tl.constexpr(1.1754943508222875e-38)  # 2**-126: S * 2**-126 = s8 * 2**-9, as the PTX makes
 C_SWZ_MASK = tl.constexpr(0x81C081C0 - 2**32)  # fp4_swizzle.MASK as int32
 C_SWZ_SIGNS = tl.constexpr(0x80008000 - 2**32)
@@ -245,6 +274,38 @@ def _w_dequant(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F32:
 
 
 @triton.jit
+def _four(x):
+    """x (R, W) -> (R, W, 2, 2), each element four times, the copies adjacent in one thread (joins
+    always add an in-thread dimension, where a broadcast's layout is the compiler's choice)."""
+    x2 = tl.join(x, x)
+    return tl.join(x2, x2)
+
+
+@triton.jit
+def _swz_word_dequant(w, sw):
+    """(even, odd) BF16 tiles (R, 4W) of c * s8 * 2**-9 from swizzled code words w int32 (R, W) and
+    each word's scale byte sw (R, W), by the PTX on whole words (`_w_dequant`'s SWZ path, unpacked)."""
+    R: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    sbits = sw.to(tl.int64) * 16 + 30080  # BF16 bits of s8 * 2**117 (fp4_swizzle.scale_bytes)
+    ws = (w.to(tl.int64) & 0xFFFFFFFF) | (sbits << 32) | (sbits << 48)
+    ev, od = tl.inline_asm_elementwise(_SWZ_WORD_TO_BF16, "=r,=r,=r,=r,l,l,l,l", [_four(ws)],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.reshape(ev, (R, 4 * W)), tl.reshape(od, (R, 4 * W))
+
+
+@triton.jit
+def _fp4_load_words(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr):
+    """As `_fp4_load`, the codes as int32 words (R, BK//8) and the scale byte of each word (R, BK//8)
+    (a block of 16 codes is two words; rows 4-byte aligned: sc, c_ptr multiples of 4 bytes)."""
+    j = tl.arange(0, BK // 8)
+    w = tl.load(c_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (sc // 4) + (k0 // 8 + j)[None, :],
+                mask=m2, other=0)
+    sb = _scale_load(s_ptr, rows, m2, ss, k0, BK)
+    return w, tl.reshape(tl.join(sb, sb), (sb.shape[0], BK // 8))
+
+
+@triton.jit
 def _fp4_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr):
     """Packed codes (R, BK//2) and scale bytes (R, BK//16) of columns k0..k0+BK of rows `rows` (mask m2 (R, 1))."""
     j = tl.arange(0, BK // 2)
@@ -257,6 +318,27 @@ def _scale_load(s_ptr, rows, m2, ss, k0, BK: tl.constexpr):
     """E4M3 scale bytes (R, BK//16) of columns k0..k0+BK of rows `rows` (mask m2 (R, 1))."""
     jb = tl.arange(0, BK // 16)
     return tl.load(s_ptr + rows[:, None] * ss + (k0 // 16 + jb)[None, :], mask=m2, other=0)
+
+
+@triton.jit
+def _w_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK: tl.constexpr, WORDS: tl.constexpr):
+    """A weight tile's codes and scales as `_w_decode` takes them: `_fp4_load_words`' with WORDS, else `_fp4_load`'s."""
+    if WORDS:
+        p, sb = _fp4_load_words(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK)
+    else:
+        p, sb = _fp4_load(c_ptr, s_ptr, rows, m2, sc, ss, k0, BK)
+    return p, sb
+
+
+@triton.jit
+def _w_decode(p, sb, R: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr,
+              WORDS: tl.constexpr):
+    """(even, odd) tiles of `_w_load`'s codes and scales: `_swz_word_dequant` with WORDS, else `_w_dequant`."""
+    if WORDS:
+        ev, od = _swz_word_dequant(p, sb)
+    else:
+        ev, od = _w_dequant(p, sb, R, BK, ASM, F32, SWZ)
+    return ev, od
 
 
 @triton.jit
@@ -502,6 +584,7 @@ def grouped_gemm(
     rows_per_group: float | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     config: tuple[int, int, int, int] | None = None,
+    a_dequant: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM of sorted rows against per-expert weights (see the module docstring).
 
@@ -511,6 +594,8 @@ def grouped_gemm(
     with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
     `row_tiles` (made here if None; a decoder makes them once per layer for both GEMMs).
     config = (BM, BN, BK, num_warps[, num_stages]) (default: `pick_bm`, then TUNED or (64, 128, 4)).
+    a_dequant: with FP4 `a` and DEQUANT_A, its BF16 e2m1 * block scale (R, K) already made (by
+    `fp4_quant.quantize(dequant_out=)` in the quantize pass), so no dequantize pass runs here.
     """
     w_fp4 = isinstance(w, fp4.FP4Tensor)
     a_fp4 = isinstance(a, fp4.FP4Tensor)
@@ -541,9 +626,16 @@ def grouped_gemm(
         raise ValueError("SWAP_AB does not run on swizzled FP4 weights: pass the natural FP4Tensor "
                          "(SwizzledFP4.natural()) or drop SWAP_AB for this GEMM kind (fp4_gemm.KERNEL_VARIANT)")
     a_gs = False
+    if a_dequant is not None and not (a_fp4 and DEQUANT_A):
+        raise ValueError("a_dequant goes with FP4 activations `a` while fp4_gemm.DEQUANT_A is on")
     if a_fp4 and DEQUANT_A:
         ag = a.global_scale.reshape(-1).to(torch.float32)
-        a = fp4_quant.dequantize(fp4.FP4Tensor(a.codes, a.scales, _ones(a.codes.device), a.fmt, a.shape))
+        if a_dequant is None:
+            a = fp4_quant.dequantize(fp4.FP4Tensor(a.codes, a.scales, _ones(a.codes.device), a.fmt, a.shape))
+        elif a_dequant.dtype != torch.bfloat16 or tuple(a_dequant.shape) != tuple(a.shape):
+            raise ValueError(f"a_dequant must be BF16 {tuple(a.shape)}, got {a_dequant.dtype} {tuple(a_dequant.shape)}")
+        else:
+            a = a_dequant
         a = a.reshape(-1, K)
         a_fp4, a_gs = False, True
     if a_fp4:
@@ -748,25 +840,34 @@ def _route_kernel(logits_ptr, ids_ptr, gate_ptr, E: tl.constexpr, EP: tl.constex
 
 @triton.jit
 def _dispatch_kernel(ids_ptr, gate_ptr, offs_ptr, tok_ptr, pair_ptr, gsort_ptr, N, NCH,
-                     K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, C: tl.constexpr):
+                     K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, NP: tl.constexpr):
     """Sort (token, slot) pairs by expert, stably; program p places chunk p of C pairs.
 
-    Every program histograms all chunks (cheap), so it knows each expert's start and how many
-    of its pairs earlier chunks hold; within the chunk the rank comes from a one-hot cumsum.
+    Every program histograms all pairs, so it knows each expert's start and how many of its pairs
+    earlier chunks hold; within the chunk the rank comes from a one-hot cumsum. NP > 0: all N <= NP
+    pairs in one tile (two histograms); 0: chunk by chunk (a serial loop of NCH steps per program,
+    which at N = 2048 already took ~13 us a call on the H100).
     """
     p = tl.program_id(0)
     er = tl.arange(0, EP)
-    tot = tl.zeros((EP,), tl.int32)
-    before = tl.zeros((EP,), tl.int32)
-    c = 0
-    while c < NCH:  # (the interpreter cannot range() over runtime bounds)
-        i = c * C + tl.arange(0, C)
+    if NP > 0:
+        i = tl.arange(0, NP)
         m = i < N
         ids = tl.load(ids_ptr + i, mask=m, other=0)
-        h = tl.histogram(ids, EP, mask=m)
-        tot += h
-        before += h * (c < p).to(tl.int32)
-        c += 1
+        tot = tl.histogram(ids, EP, mask=m)
+        before = tl.histogram(ids, EP, mask=m & (i < p * C))
+    else:
+        tot = tl.zeros((EP,), tl.int32)
+        before = tl.zeros((EP,), tl.int32)
+        c = 0
+        while c < NCH:  # (the interpreter cannot range() over runtime bounds)
+            i = c * C + tl.arange(0, C)
+            m = i < N
+            ids = tl.load(ids_ptr + i, mask=m, other=0)
+            h = tl.histogram(ids, EP, mask=m)
+            tot += h
+            before += h * (c < p).to(tl.int32)
+            c += 1
     ends = tl.cumsum(tot, axis=0)
     if p == 0:
         tl.store(offs_ptr + er, ends, mask=er < E)
@@ -797,6 +898,12 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tupl
     return ids, gates
 
 
+# dispatch: every program histograms all pairs in one tile up to this many (2048 slots x top-8), not
+# chunk by chunk; DISPATCH_ONE_TILE off: the chunk loop (for A/B in the bench)
+DISPATCH_ONE_TILE = True
+DISPATCH_TILE_MAX = 16384
+
+
 def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: torch.Tensor | None = None):
     """Group (token, slot) pairs by expert: (offsets int32 (E,), token of each sorted row int32 (N,),
     pair index t*K+k of each sorted row int32 (N,), gate of each sorted row float32 (N,)).
@@ -815,7 +922,8 @@ def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: 
     C = 64 if N <= 4096 else (128 if N <= 16384 else 256)
     nch = triton.cdiv(N, C)
     if N:
+        np_ = triton.next_power_of_2(N) if DISPATCH_ONE_TILE and N <= DISPATCH_TILE_MAX else 0
         _dispatch_kernel[(nch,)](ids.reshape(-1), gates.reshape(-1), offsets, tok, pair, gsort, N, nch,
-                                 K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C,
+                                 K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C, NP=np_,
                                  num_warps=4 if C <= 64 else 8)
     return offsets, tok, pair, gsort
