@@ -104,10 +104,11 @@ class RecordingDecoder(GPUDecoder):
 
     # ------------------------------------------------------------------ in the captured step
 
-    def _quantize(self, x: torch.Tensor, sink: RecordSink | None) -> fp4.FP4Tensor:
+    def _quantize(self, x: torch.Tensor, sink: RecordSink | None,
+                  dequant_out: torch.Tensor | None = None) -> fp4.FP4Tensor:
         if sink is None or FUSED_RECORDING:
-            return super()._quantize(x, sink)
-        q = super()._quantize(x, None)
+            return super()._quantize(x, sink, dequant_out)
+        q = super()._quantize(x, None, dequant_out)
         sink.write(q)
         return q
 
