@@ -220,6 +220,9 @@ def compile_variants(log: list, regs: bool = False) -> None:
                 sink = RecordSink(torch.empty(64, 128, dtype=torch.uint8), torch.empty(64, 16, dtype=torch.uint8),
                                   torch.empty(64), torch.zeros(4, dtype=torch.long), src=src, group=2)
                 fp4_quant.quantize(a.to(torch.bfloat16), "nvfp4", per_row_global=True, sink=sink)
+                # recorded and dequantized in the same pass (the graph engine's FP4 expert inputs)
+                fp4_quant.quantize(a.to(torch.bfloat16), "nvfp4", per_row_global=True, sink=sink,
+                                   dequant_out=torch.empty(8, 256, dtype=torch.bfloat16))
             # the probes as test_kernels.check_probes calls them: these decode integer inputs
             int_in = {"e2m1_magnitude", "e2m1_decode_bytes", "e4m3_value", "mx_mult", "mx_inv_mult"}
             for what in fp4_numerics.PROBES:

@@ -8,6 +8,8 @@ interpreter on CPU and natively on the GPU, for the three row layouts the decode
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -49,20 +51,25 @@ def _cases(dev: str):
 
 
 def check_sinks(dev: str, use_triton: bool) -> None:
-    """Every layout: the sink's rows equal the quantized rows, at the expected record rows only."""
-    for name, x, kw, n, expect in _cases(dev):
+    """Every layout: the sink's rows equal the quantized rows, at the expected record rows only (on
+    Triton also with the BF16 c * s8 written in the same pass, as the graph engine's expert inputs)."""
+    for (name, x, kw, n, expect), dq in itertools.product(_cases(dev), (False, True) if use_triton else (False,)):
         K = x.shape[-1]
         codes, scales, gs = _buffers(n, K, dev)
         sink = RecordSink(codes=codes, scales=scales, gscale=gs, **kw)
         assert sink.dest_rows(len(expect)).tolist() == expect, name
+        deq = torch.full(x.shape, 3.0, dtype=torch.bfloat16, device=dev) if dq else None
         if use_triton:
             from tracerl.kernels import fp4_quant
 
-            q, _ = fp4_quant.quantize(x, "nvfp4", per_row_global=True, sink=sink)
+            q, _ = fp4_quant.quantize(x, "nvfp4", per_row_global=True, sink=sink, dequant_out=deq)
         else:
             q = kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink)
         want = fp4.quantize(x, "nvfp4", per_row_global=True)
         assert torch.equal(q.codes, want.codes) and torch.equal(q.scales.view(torch.uint8), want.scales.view(torch.uint8))
+        if dq:
+            unit = fp4.FP4Tensor(want.codes, want.scales, torch.ones_like(want.global_scale), "nvfp4", want.shape)
+            assert torch.equal(deq, fp4.dequantize(unit, torch.bfloat16)), name
         M = len(expect)
         d = torch.tensor(expect, device=dev)
         assert torch.equal(codes[d], want.codes.reshape(M, -1)), name
