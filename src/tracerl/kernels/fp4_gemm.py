@@ -899,7 +899,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tupl
 
 
 # dispatch: every program histograms all pairs in one tile up to this many (2048 slots x top-8), not
-# chunk by chunk; DISPATCH_ONE_TILE off: the chunk loop (for A/B in the bench)
+# chunk by chunk; DISPATCH_ONE_TILE off: the chunk loop (kept for N above the tile and for A/B)
 DISPATCH_ONE_TILE = True
 DISPATCH_TILE_MAX = 16384
 

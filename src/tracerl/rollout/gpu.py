@@ -296,7 +296,8 @@ def _mm_f32_out():
 
 _HAS_MM_OUT_DTYPE: bool | None = None
 # FP4 expert inputs: the quantize pass also writes the BF16 c * s8 the GEMM reads (fp4_gemm.DEQUANT_A)
-# instead of a separate dequantize pass per GEMM. Off: the two-pass form (for A/B in bench/rollout.py).
+# instead of a separate dequantize pass per GEMM. Off: the two-pass form (set it off before building a
+# decoder to A/B the two).
 FUSED_DEQUANT = True
 
 
