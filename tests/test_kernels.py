@@ -360,6 +360,23 @@ def test_quantize_record_cpu(record):
     assert torch.equal(kernels.quantize(x, "mxfp4", "guided", guide=guide).codes, q.codes)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequant_out_cpu_reference(fmt):
+    """The dispatcher's reference path fills dequant_out as the Triton pass does (unit global scales), and
+    refuses a buffer of another shape."""
+    x = make_x("student_t", (4, 96), torch.bfloat16, fmt)
+    out = torch.full((4, 96), 7.0, dtype=torch.bfloat16)
+    q = kernels.quantize(x, fmt, per_row_global=fmt == "nvfp4", dequant_out=out)
+    assert_q_equal(q, fp4.quantize(x, fmt, per_row_global=fmt == "nvfp4"), "dequant_out reference")
+    gs1 = None if q.global_scale is None else torch.ones_like(q.global_scale)
+    assert_bits_equal(out, fp4.dequantize(fp4.FP4Tensor(q.codes, q.scales, gs1, fmt, q.shape), torch.bfloat16),
+                      "dequant_out reference values")
+    if fmt == "nvfp4":  # the global scale is not applied: the values differ from a plain dequantize
+        assert not torch.equal(out, fp4.dequantize(q, torch.bfloat16))
+    with pytest.raises(ValueError, match="dequant_out"):
+        kernels.quantize(x, fmt, dequant_out=torch.empty(4, 95, dtype=torch.bfloat16))
+
+
 def _run_py(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})

@@ -124,22 +124,31 @@ def quantize(
     mx_rule: str = "even",
     check_finite: bool = False,
     sink: RecordSink | None = None,
+    dequant_out: torch.Tensor | None = None,
 ) -> fp4.FP4Tensor:
     """`fp4.quantize` (same arguments and result, bit for bit) on the selected backend; with `sink`,
-    the result's rows are also stored at their record rows (in the same pass on Triton)."""
+    the result's rows are also stored at their record rows (in the same pass on Triton); with
+    `dequant_out` (x's shape), it also receives e2m1 * block scale, the global scale not applied
+    (`dequantize` of the result at unit global scales; in the same pass on Triton)."""
     guide = _as_guide(guide)
     ok = x.dtype in _TRITON_DTYPES and rounding != "stochastic" and mx_rule == "even"
     if _use_triton(x, supported=ok):
         if check_finite:
             _check_finite(x)
         q, _ = _triton_mod.quantize(x, fmt, rounding, global_scale=global_scale,
-                                    per_row_global=per_row_global, guide=guide, sink=sink)
+                                    per_row_global=per_row_global, guide=guide, sink=sink, dequant_out=dequant_out)
         return q
+    if dequant_out is not None and (tuple(dequant_out.shape) != tuple(x.shape) or not dequant_out.is_floating_point()):
+        raise ValueError(f"dequant_out must be a float tensor {tuple(x.shape)}, got {dequant_out.dtype} "
+                         f"{tuple(dequant_out.shape)}")
     q = reference.quantize(x, fmt, rounding, global_scale=global_scale, per_row_global=per_row_global,
                            guide=guide, generator=generator, mx_rule=mx_rule)
     if sink is not None:
         sink.check(x[..., :1].numel(), x.shape[-1], fp4.format_spec(fmt))
         sink.write(q)
+    if dequant_out is not None:
+        unit = None if q.global_scale is None else torch.ones_like(q.global_scale)
+        dequant_out.copy_(reference.dequantize(fp4.FP4Tensor(q.codes, q.scales, unit, fmt, q.shape), dequant_out.dtype))
     return q
 
 

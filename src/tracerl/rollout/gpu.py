@@ -47,7 +47,7 @@ import triton.language as tl
 from tracerl import fp4, kernels, qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
-from tracerl.kernels import fp4_quant, fp4_swizzle
+from tracerl.kernels import fp4_swizzle
 from tracerl.kernels.fp4_gemm import _bf16
 from tracerl.kernels.record_sink import RecordSink
 from tracerl.model.config import ModelConfig
@@ -348,7 +348,7 @@ class GPUDecoder:
         self.offsets = torch.zeros(L, cfg.num_experts, **i32)  # per layer, kept for byte accounting
         self.logits = torch.zeros(B, cfg.vocab_size, dtype=torch.float32, device=dev)
         # the BF16 c * s8 of the FP4 expert inputs, written by their quantize pass (see _moe)
-        self.fused_dequant = bool(self.recipe.acts and fg.DEQUANT_A and FUSED_DEQUANT and dev.type == "cuda")
+        self.fused_dequant = bool(self.recipe.acts and fg.DEQUANT_A and FUSED_DEQUANT)
         self.dq_h = torch.zeros(B, D, dtype=torch.bfloat16, device=dev) if self.fused_dequant else None
         self.dq_mid = (torch.zeros(B * K, cfg.expert_size, dtype=torch.bfloat16, device=dev)
                        if self.fused_dequant else None)
@@ -371,10 +371,8 @@ class GPUDecoder:
     def _quantize(self, x: torch.Tensor, sink: RecordSink | None,
                   dequant_out: torch.Tensor | None = None) -> fp4.FP4Tensor:
         """NVFP4 of x per row; with a sink, each row's outcome is also stored at its record row; with
-        `dequant_out` (Triton only), its e2m1 * block scale is written there in the same pass."""
-        if dequant_out is not None:
-            return fp4_quant.quantize(x, "nvfp4", per_row_global=True, sink=sink, dequant_out=dequant_out)[0]
-        return kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink)
+        `dequant_out`, its e2m1 * block scale is written there (in the same pass on Triton)."""
+        return kernels.quantize(x, "nvfp4", per_row_global=True, sink=sink, dequant_out=dequant_out)
 
     # hooks for a recording subclass (rollout/graph_engine.py); they run inside the captured step
 
