@@ -78,12 +78,15 @@ class Cache:
 
 def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
           programs_list: list[int] | None = None, tiles: list[tuple[int, int]] | None = None,
-          maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None) -> list[dict]:
+          maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None,
+          bw: float | None = None) -> list[dict]:
     """Time every (format, point, programs, tile, register cap, word decode); print one JSON line
-    each, the best per (format, point) last, and write them all to `out`."""
-    from rollout import copy_bandwidth  # here, not at import: bench/rollout.py imports this module
+    each, the best per (format, point) last, and write them all to `out` (if given). bw: the copy
+    bandwidth (bytes/s) the roofline fractions use; measured here if None."""
+    if bw is None:
+        from rollout import copy_bandwidth  # here, not at import: bench/rollout.py imports this module
 
-    bw = copy_bandwidth()
+        bw = copy_bandwidth()
     rows: list[dict] = []
     for ctx, batch in points:
         cache = Cache(ctx, batch)

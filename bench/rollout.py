@@ -146,56 +146,30 @@ GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 
 # the compiler, so they take no software prefetch)
 VARIANTS = {"prefetch": (True, False, False), "plain": (False, False, False), "swap": (False, True, False),
             "swap+prefetch": (True, True, False), "tma": (False, False, True), "swap+tma": (False, True, True)}
-ATTN_TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps)
-ATTN_PROGRAMS = [256, 512, 1024]
-ATTN_MAXNREG = [None, 168]
-
-
 def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
-    """Pick fa.TUNED per cache format: every (tile, program target, register cap[, word decode]) timed
-    (CUDA graph) at a decode batch of 16 (ctx and 8k) and at `batch`, kept by its summed time relative
-    to each point's best (the program target matters only where B * Hkv is below it: small batches)."""
-    import itertools
+    """Pick fa.TUNED per cache format: attention_profile's sweep (tile, program target, register cap,
+    word decode) timed at a decode batch of 16 (ctx and 8k) and at `batch`, each config kept by its
+    summed time relative to each point's best (the program target matters only where B * Hkv is
+    below it: small batches)."""
+    from attention_profile import sweep  # here, not at import: it imports this module
 
-    # here, not at import: both modules import this one
-    from attention_profile import Cache
-    from gemm_profile import graph_ms
-
-    out: list[dict] = []
     points = list(dict.fromkeys([(ctx, 16), (8192, 16), (ctx, batch)]))
     swz = fa.SWIZZLE_KV and fa.kv_swizzle_check("cuda") == "swizzle ok"
     fmts = {False: "bf16", True: "fp4-swizzled" if swz else "fp4"}
-    times: dict[tuple, dict[tuple, float]] = {}
-    for ctx_, b in points:
-        cache = Cache(ctx_, b)
-        for fp4_kv, fmt in fmts.items():
-            words_opts = (False, True) if fmt == "fp4-swizzled" else (False,)
-            for (bt, nw), programs, nreg, words in itertools.product(ATTN_TILES, ATTN_PROGRAMS, ATTN_MAXNREG,
-                                                                     words_opts):
-                c = fa.AttentionConfig(bt, nw, programs, nreg, words)
-                row = {"kernel": f"attention {fmt} kv", "batch": b, "context": ctx_, "config": c._asdict(),
-                       "bytes": cache.nbytes[fmt]}
-                try:
-                    ms = graph_ms(cache.call(fmt, programs, (bt, nw), nreg, words=words))
-                    row.update(ms=ms, GBps=cache.nbytes[fmt] / ms / 1e6, roofline_frac=cache.nbytes[fmt] / bw / (ms * 1e-3))
-                    times.setdefault((fp4_kv, ctx_, b), {})[c] = ms
-                except Exception as e:  # keep going: report what failed
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                out.append(row)
-                print("micro", json.dumps(row), flush=True)
-            if fmt == "fp4-swizzled" and (ctx_, b) == (ctx, batch):  # the swizzle's own gain, default config
-                ms = graph_ms(cache.call("fp4"))
-                out.append({"kernel": "attention fp4 kv natural", "batch": b, "context": ctx_, "ms": ms,
-                            "roofline_frac": cache.nbytes["fp4"] / bw / (ms * 1e-3)})
-        del cache
-        torch.cuda.empty_cache()
-    for fp4_kv in fmts:
-        per_point = [t for k, t in times.items() if k[0] == fp4_kv]
-        common = set.intersection(*(set(t) for t in per_point)) if per_point else set()
+    rows = sweep(points, list(fmts.values()), None, bw=bw)
+    if swz:  # the swizzle's own gain: the natural cache at the default config
+        rows += sweep([(ctx, batch)], ["fp4"], None, [fa.SPLIT_PROGRAMS], [(64, 4)], [None], bw=bw)
+    for fp4_kv, fmt in fmts.items():
+        times: dict[tuple[int, int], dict[fa.AttentionConfig, float]] = {}
+        for r in rows:
+            if r["format"] == fmt:
+                c = fa.AttentionConfig(*r["tile"], r["programs"], r["maxnreg"], r["words"])
+                times.setdefault((r["ctx"], r["batch"]), {})[c] = r["ms"]
+        common = set.intersection(*(set(t) for t in times.values())) if times else set()
         if common:
-            fa.TUNED[fp4_kv] = min(common, key=lambda c: sum(t[c] / min(t.values()) for t in per_point))
-            print(f"tuned attention {fmts[fp4_kv]}: {fa.TUNED[fp4_kv]}", flush=True)
-    return out
+            fa.TUNED[fp4_kv] = min(common, key=lambda c: sum(t[c] / min(t.values()) for t in times.values()))
+            print(f"tuned attention {fmt}: {fa.TUNED[fp4_kv]}", flush=True)
+    return [{"kernel": f"attention {r['format']} kv", **r} for r in rows]
 
 
 def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
