@@ -190,12 +190,13 @@ def check_route_dispatch(dev: str, T=37, E=16, K=4):
     ir, gr = fg.route_reference(logits, K)
     assert torch.equal(ids, ir) and torch.allclose(gates, gr, rtol=1e-6, atol=1e-7)
     want = fg.dispatch_reference(ids, gates, E)
+    saved = fg.DISPATCH_ONE_TILE
     for one_tile in (True, False):  # all pairs histogrammed in one tile, and chunk by chunk
         fg.DISPATCH_ONE_TILE = one_tile
         try:
             got = fg.dispatch(ids, gates, E)
         finally:
-            fg.DISPATCH_ONE_TILE = True
+            fg.DISPATCH_ONE_TILE = saved
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), f"one_tile={one_tile}"
 
