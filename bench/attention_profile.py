@@ -37,6 +37,8 @@ POINTS = [(1024, 16), (1024, 256), (8192, 16), (8192, 64), (1024, 1024)]
 PROGRAMS = [256, 512, 1024]  # the shipped default target: fp4_attention.SPLIT_PROGRAMS
 TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
 MAXNREG = [None, 168]  # registers per thread: 168 lets 3 CTAs of 4 warps share an SM (128: spills, slower)
+MMA_PROGRAMS = [1024, 4096, 16384]  # fp4_attention_mma: one warp a program
+MMA_TILES = [16, 32]  # its positions a tile (a register tile of 64 spills)
 FORMATS = ["bf16", "fp4-swizzled"]  # the decoder's layouts; "fp4" (natural) on request
 ALL_FORMATS = ["bf16", "fp4", "fp4-swizzled"]
 
@@ -67,20 +69,25 @@ class Cache:
         self.nbytes["fp4-swizzled"] = self.nbytes["fp4"]
 
     def call(self, fmt: str, programs: int | None = None, tile: tuple[int, int] = (64, 4),
-             maxnreg: int | None = None, asm: bool | None = None, words: bool | None = None):
-        """A no-argument launch of the attention (+ merge) at this split, tile, register cap and decode."""
+             maxnreg: int | None = None, asm: bool | None = None, words: bool | None = None,
+             kernel: str = "triton"):
+        """A no-argument launch of the attention (+ merge) at this split, tile, register cap, decode and
+        kernel ("mma": fp4_attention_mma, swizzled cache only; its tile's warps are 1)."""
         bt, nw = tile
-        sl = fa.split_len_for(self.ctx, self.batch, self.hkv, bt, target_programs=programs)
+        cfg = fa.AttentionConfig(bt, nw, programs or fa.SPLIT_PROGRAMS, maxnreg, bool(words), kernel)
+        sl = fa.split_len_for(self.ctx, self.batch, self.hkv, cfg.split_block, target_programs=programs)
         kv = self.kv[fmt]
         return lambda: fa.decode_attention(self.q, self.lens, **kv, split_len=sl, block_t=bt, num_warps=nw,
-                                           maxnreg=maxnreg, asm=asm, words=words)
+                                           maxnreg=maxnreg, asm=asm, words=words, kernel=kernel)
 
 
 def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
           programs_list: list[int] | None = None, tiles: list[tuple[int, int]] | None = None,
           maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None,
-          bw: float | None = None) -> list[dict]:
-    """Time every (format, point, programs, tile, register cap, word decode); print one JSON line
+          bw: float | None = None, mma_tiles: list[int] | None = None,
+          mma_programs: list[int] | None = None) -> list[dict]:
+    """Time every (format, point, programs, tile, register cap, word decode), and on a swizzled cache
+    the mma kernel at every (mma_programs, mma_tiles) (default MMA_*; [] for none); print one JSON line
     each, the best per (format, point) last, and write them all to `out` (if given). bw: the copy
     bandwidth (bytes/s) the roofline fractions use; measured here if None."""
     if bw is None:
@@ -93,20 +100,24 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
         ref = {f: cache.call(f)().float() for f in formats}
         for fmt in formats:
             wl = words_list if words_list is not None else [False, True]
-            for programs, tile, nreg, words in itertools.product(
-                    programs_list or PROGRAMS, tiles or TILES, maxnregs or MAXNREG,
-                    wl if fmt == "fp4-swizzled" else (False,)):
-                fn = cache.call(fmt, programs, tile, nreg, words=words)
+            cands = [(p, t, n, w, "triton") for p, t, n, w in itertools.product(
+                programs_list or PROGRAMS, tiles or TILES, maxnregs or MAXNREG,
+                wl if fmt == "fp4-swizzled" else (False,))]
+            if fmt == "fp4-swizzled":  # the mma kernel: one warp a program, so more programs a launch
+                cands += [(p, (bt, 1), None, True, "mma") for p, bt in itertools.product(
+                    mma_programs or MMA_PROGRAMS, MMA_TILES if mma_tiles is None else mma_tiles)]
+            for programs, tile, nreg, words, kernel in cands:
+                fn = cache.call(fmt, programs, tile, nreg, words=words, kernel=kernel)
                 try:
                     rel = float((fn().float() - ref[fmt]).norm() / ref[fmt].norm())
                     ms = graph_ms(fn)
                 except Exception as e:  # a config that does not compile or launch: say so, go on
                     print(json.dumps({"format": fmt, "ctx": ctx, "batch": batch, "programs": programs,
-                                      "tile": tile, "maxnreg": nreg, "words": words,
+                                      "tile": tile, "maxnreg": nreg, "words": words, "kernel": kernel,
                                       "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
                     continue
                 row = {"format": fmt, "ctx": ctx, "batch": batch, "programs": programs, "tile": tile,
-                       "maxnreg": nreg, "words": words, "ms": ms,
+                       "maxnreg": nreg, "words": words, "kernel": kernel, "ms": ms,
                        "roofline_frac": cache.nbytes[fmt] / (ms * 1e-3) / bw, "rel_to_default": rel}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -119,10 +130,10 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
                 continue
             best = min(mine, key=lambda r: r["ms"])
             dflt = next((r for r in mine if r["programs"] == fa.SPLIT_PROGRAMS and tuple(r["tile"]) == (64, 4)
-                         and r["maxnreg"] is None and not r["words"]), best)
+                         and r["maxnreg"] is None and not r["words"] and r["kernel"] == "triton"), best)
             print(f"best {fmt:13s} ctx={ctx:5d} B={batch:4d}: {best['ms'] * 1e3:7.1f} us "
-                  f"(programs {best['programs']}, tile {tuple(best['tile'])}, maxnreg {best['maxnreg']}, "
-                  f"words {best['words']}, roofline {best['roofline_frac']:.2f}) "
+                  f"({best['kernel']}, programs {best['programs']}, tile {tuple(best['tile'])}, maxnreg "
+                  f"{best['maxnreg']}, words {best['words']}, roofline {best['roofline_frac']:.2f}) "
                   f"vs default {dflt['ms'] * 1e3:7.1f} us ({dflt['roofline_frac']:.2f})", flush=True)
     if out:
         tmp = out + ".tmp"
@@ -132,13 +143,14 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
     return rows
 
 
-def ncu_launches(points: list[tuple[int, int]], formats: list[str]) -> None:
-    """Warm every (format, point) at the shipped split and tile, then launch each once inside
-    cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)."""
+def ncu_launches(points: list[tuple[int, int]], formats: list[str], programs: int | None = None,
+                 tile: tuple[int, int] = (64, 4), words: bool | None = None) -> None:
+    """Warm every (format, point) at this split target, tile and decode (default: the shipped ones),
+    then launch each once inside cudaProfilerStart/Stop (run under `ncu --profile-from-start off`)."""
     for ctx, batch in points:
         cache = Cache(ctx, batch)
         for fmt in formats:
-            fn = cache.call(fmt)
+            fn = cache.call(fmt, programs, tile, words=words if fmt == "fp4-swizzled" else None)
             fn()
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStart()
@@ -161,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", default="", help="block_t:num_warps,... (default: TILES)")
     ap.add_argument("--maxnreg", default="", help="register caps, 0 = none (default: MAXNREG)")
     ap.add_argument("--words", default="", help="0,1: word decode of the swizzled cache (default: both)")
+    ap.add_argument("--mma-tiles", default=None, help="mma kernel tiles, e.g. 16,32 (default: MMA_TILES; '' none)")
+    ap.add_argument("--mma-programs", default="", help="mma kernel program targets (default: MMA_PROGRAMS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t] or None
         sweep(points, formats, args.out, ints(args.programs) or None, tiles,
-              [n or None for n in ints(args.maxnreg)] or None, [bool(w) for w in ints(args.words)] or None)
-    if args.ncu:
-        ncu_launches(points, formats)
+              [n or None for n in ints(args.maxnreg)] or None, [bool(w) for w in ints(args.words)] or None,
+              mma_tiles=None if args.mma_tiles is None else ints(args.mma_tiles),
+              mma_programs=ints(args.mma_programs) or None)
+    if args.ncu:  # the first of --programs / --tiles / --words, if given
+        tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t]
+        ncu_launches(points, formats, (ints(args.programs) or [None])[0], tiles[0] if tiles else (64, 4),
+                     bool(ints(args.words)[0]) if ints(args.words) else None)
     return 0
 
 

@@ -163,7 +163,7 @@ def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
         times: dict[tuple[int, int], dict[fa.AttentionConfig, float]] = {}
         for r in rows:
             if r["format"] == fmt:
-                c = fa.AttentionConfig(*r["tile"], r["programs"], r["maxnreg"], r["words"])
+                c = fa.AttentionConfig(*r["tile"], r["programs"], r["maxnreg"], r["words"], r.get("kernel", "triton"))
                 times.setdefault((r["ctx"], r["batch"]), {})[c] = r["ms"]
         common = set.intersection(*(set(t) for t in times.values())) if times else set()
         if common:

@@ -179,6 +179,16 @@ def compile_variants(log: list, regs: bool = False) -> None:
                     fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
                                         v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32,
                                         swizzled=swz, words=words)
+            # the mma kernel (Gluon; decode_attention picks it on CUDA tensors only, so launched directly)
+            from tracerl.kernels import fp4_attention_mma as fm
+
+            S_ = 3
+            po, pml = torch.empty(B, H, S_, Dh), torch.empty(B, H, S_, 2)
+            from tracerl.kernels import fp4_swizzle as fs
+
+            sc, ss = fs.swizzle_blocks(kq.codes, kq.scales.view(torch.uint8))
+            for bt in (16, 32):
+                fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, 32, bt)
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()

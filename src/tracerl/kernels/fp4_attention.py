@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels import fp4_gemm, fp4_swizzle
+from tracerl.kernels import fp4_attention_mma, fp4_gemm, fp4_swizzle
 from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
     decode_attention_reference,
     fp4_rows,
@@ -201,13 +201,22 @@ class AttentionConfig(NamedTuple):
     """How the decode attention is launched: positions per tile, warps, the programs per launch the
     split aims at (`split_len_for`), a register cap per thread (None: the compiler's choice), and
     whether a swizzled FP4 cache is decoded by whole 32-bit words (`fp4_gemm._swz_word_dequant`:
-    the PTX path; the same values bit for bit, fewer instructions and registers than by bytes)."""
+    the PTX path; the same values bit for bit, fewer instructions and registers than by bytes), and
+    which kernel runs a swizzled FP4 cache: "triton" (`_decode_attn_kernel`) or "mma"
+    (`fp4_attention_mma`: one warp a program, K/V decoded straight into the MMA fragments; num_warps,
+    maxnreg and words do not apply to it)."""
 
     block_t: int = 64
     num_warps: int = 4
     programs: int = 256
     maxnreg: int | None = None
     words: bool = False
+    kernel: str = "triton"
+
+    @property
+    def split_block(self) -> int:
+        """Positions the split rounds to: the mma kernel walks its split two tiles at a time."""
+        return self.block_t * (2 if self.kernel == "mma" else 1)
 
 
 # The split runs as a `while` loop with the next tile prefetched in registers. A compiler-pipelined
@@ -257,6 +266,7 @@ def decode_attention(
     maxnreg: int | None = None,
     asm: bool | None = None,
     words: bool | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v for q (B, H, Dh) BF16 over positions [0, lens[b]) of slot b.
 
@@ -266,13 +276,22 @@ def decode_attention(
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length and the tuned
     config (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
-    the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one.
+    the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one. kernel: "triton" or
+    "mma" (AttentionConfig.kernel; "mma" where `fp4_attention_mma.supported`, else "triton").
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
     tuned = attention_config(fp4_kv)
-    programs = tuned.programs if block_t in (None, tuned.block_t) else None
-    block_t, num_warps = block_t or tuned.block_t, num_warps or tuned.num_warps
+    kernel = kernel or tuned.kernel
+    if kernel not in ("triton", "mma"):
+        raise ValueError(f"kernel {kernel!r}: choose 'triton' or 'mma'")
+    if kernel == "mma" and (not fp4_kv or INTERPRET or not q.is_cuda or k_fp4[0].shape[2] == 0
+                            or not fp4_attention_mma.supported(H, k_fp4[0].shape[2], Dh, swizzled)):
+        kernel = "triton"  # a BF16 or natural cache, the interpreter, or a shape the mma kernel lacks
+    same_tile = block_t in (None, tuned.block_t)
+    programs = tuned.programs if same_tile else None
+    block_t = block_t or (tuned.block_t if kernel == tuned.kernel else 64)
+    num_warps = num_warps or tuned.num_warps
     maxnreg = maxnreg or tuned.maxnreg
     asm = fp4_gemm.USE_ASM if asm is None else asm
     words = (tuned.words if words is None else words) and swizzled and asm and fp4_kv and not INTERPRET
@@ -297,12 +316,19 @@ def decode_attention(
     G = H // Hkv
     if q.stride(-1) != 1 or q.stride(-2) != Dh:
         q = q.contiguous()
-    split_len = split_len or split_len_for(T, B, Hkv, block_t, programs)
+    split_len = split_len or split_len_for(T, B, Hkv, block_t * (2 if kernel == "mma" else 1), programs)
     S = triton.cdiv(T, split_len)
     po = torch.empty(B, H, S, Dh, device=q.device, dtype=torch.float32)
     pml = torch.empty(B, H, S, 2, device=q.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, H * Dh, device=q.device, dtype=torch.bfloat16)
+    if kernel == "mma":
+        if kc.data_ptr() % 16 or vc.data_ptr() % 16 or any(st % 16 for st in kc.stride()[:-1]):
+            raise ValueError("the mma attention kernel loads code rows as 16-byte vectors: the FP4 cache's "
+                             "codes must be 16-byte aligned (FP4KVCache's are)")
+        fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t)
+        _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+        return out
     d = q  # placeholder for unused pointers
     if fp4_kv:
         args = (d, d, 0, 0, kc, ks, kg, vc, vs, vg, kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),

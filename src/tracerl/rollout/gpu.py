@@ -331,7 +331,7 @@ class GPUDecoder:
         # the split is static (the captured graph replays it at every length) and follows the
         # attention tile and program target tuned for this cache format
         acfg = fa.attention_config(bool(self.recipe.kv))
-        self.split_len = fa.split_len_for(max_len, B, cfg.num_kv_heads, acfg.block_t, acfg.programs)
+        self.split_len = fa.split_len_for(max_len, B, cfg.num_kv_heads, acfg.split_block, acfg.programs)
         self.bm = fg.pick_bm(B * K / cfg.num_experts)
         self.max_tiles = fg.max_row_tiles(cfg.num_experts, B * K, self.bm)
         i32 = dict(dtype=torch.int32, device=dev)
