@@ -184,7 +184,9 @@ def _attend_tile(q, kw, ks2, gk, vw, vs2, gv, t, t1, m_i, l_i, acc, sm_scale, BT
     # V^T (128, BT): the decode pairs head-dim values, the A fragments pair positions (an in-thread repack)
     vd = gl.permute(gl.reshape(_decode_words(vw, vs2, LV), [BT, 8, 2, 4, 2]), [2, 3, 4, 1, 0])
     vt = gl.convert_layout(gl.reshape(vd, [128, BT]), OPA)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
+    # rescale only when a row's running max moved (later tiles rarely move it): alpha is exactly 1 else
+    if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
     return m_new, l_i, mma_v2(vt, pt, acc)
 
 
