@@ -147,28 +147,38 @@ GEMM_CONFIGS = [(64, 64, 4), (64, 128, 8), (64, 128, 4), (32, 64, 4), (32, 128, 
 VARIANTS = {"prefetch": (True, False, False), "plain": (False, False, False), "swap": (False, True, False),
             "swap+prefetch": (True, True, False), "tma": (False, False, True), "swap+tma": (False, True, True)}
 def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
-    """Pick fa.TUNED per cache format: attention_profile's sweep (tile, program target, register cap,
-    word decode) timed at a decode batch of 16 (ctx and 8k) and at `batch`, each config kept by its
-    summed time relative to each point's best (the program target matters only where B * Hkv is
-    below it: small batches)."""
+    """Pick fa.TUNED and fa.TUNED_LARGE per cache format: attention_profile's sweep (kernel, tile, program
+    target, word decode) timed at a decode batch of 16 (ctx and 8k) for TUNED and at `batch` (ctx) and
+    64 (8k) for the large-batch config, each config kept by its summed time relative to each point's
+    best (the program target matters only where B * Hkv is below it: small batches). Register caps
+    are left out: they lost at every point (bench/results/attention_sweep_h100.json)."""
     from attention_profile import sweep  # here, not at import: it imports this module
 
-    points = list(dict.fromkeys([(ctx, 16), (8192, 16), (ctx, batch)]))
+    small = list(dict.fromkeys([(ctx, 16), (8192, 16)]))
+    large = list(dict.fromkeys([(ctx, batch), (8192, 64)]))
     swz = fa.SWIZZLE_KV and fa.kv_swizzle_check("cuda") == "swizzle ok"
     fmts = {False: "bf16", True: "fp4-swizzled" if swz else "fp4"}
-    rows = sweep(points, list(fmts.values()), None, bw=bw)
+    rows = sweep(small + large, list(fmts.values()), None, maxnregs=[None], bw=bw)
     if swz:  # the swizzle's own gain: the natural cache at the default config
         rows += sweep([(ctx, batch)], ["fp4"], None, [fa.SPLIT_PROGRAMS], [(64, 4)], [None], bw=bw)
-    for fp4_kv, fmt in fmts.items():
+
+    def pick(fmt: str, points: list[tuple[int, int]]) -> fa.AttentionConfig | None:
         times: dict[tuple[int, int], dict[fa.AttentionConfig, float]] = {}
         for r in rows:  # a config whose output strays from the default's is never picked (a broken kernel)
-            if r["format"] == fmt and r["rel_to_default"] < 1e-2:
+            if r["format"] == fmt and (r["ctx"], r["batch"]) in points and r["rel_to_default"] < 1e-2:
                 c = fa.AttentionConfig(*r["tile"], r["programs"], r["maxnreg"], r["words"], r.get("kernel", "triton"))
                 times.setdefault((r["ctx"], r["batch"]), {})[c] = r["ms"]
         common = set.intersection(*(set(t) for t in times.values())) if times else set()
-        if common:
-            fa.TUNED[fp4_kv] = min(common, key=lambda c: sum(t[c] / min(t.values()) for t in times.values()))
-            print(f"tuned attention {fmt}: {fa.TUNED[fp4_kv]}", flush=True)
+        return min(common, key=lambda c: sum(t[c] / min(t.values()) for t in times.values())) if common else None
+
+    for fp4_kv, fmt in fmts.items():
+        c_small, c_large = pick(fmt, small), pick(fmt, large)
+        if c_small is not None:
+            fa.TUNED[fp4_kv] = c_small
+            print(f"tuned attention {fmt}: {c_small}", flush=True)
+        if c_large is not None and c_large != c_small and large[-1][1] > 16:
+            fa.TUNED_LARGE[fp4_kv] = (min(b for _, b in large), c_large)
+            print(f"tuned attention {fmt} from batch {fa.TUNED_LARGE[fp4_kv][0]}: {c_large}", flush=True)
     return [{"kernel": f"attention {r['format']} kv", **r} for r in rows]
 
 
@@ -177,7 +187,7 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
 
     Sweeps (BN, BK, num_warps) of each grouped GEMM (CUDA events) and keeps the fastest in fg.TUNED,
     times the vendor BF16 grouped GEMM (torch._grouped_mm) as the BF16 alternative, and tunes the
-    attention (`tune_attention`: fa.TUNED) for the decode sweep."""
+    attention (`tune_attention`: fa.TUNED, fa.TUNED_LARGE) for the decode sweep."""
     from tracerl import kernels
 
     out = []
@@ -261,7 +271,9 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     rec("experts w4a16 triton (tuned)", moe_triton(qgu, qdn), b4["gu"] + b4["dn"], touched_experts=touched)
     out += tune_attention(bw, batch, ctx)
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "gemm_variant": chosen,
-                "tuned_attention": {str(k_): v_._asdict() for k_, v_ in fa.TUNED.items()}})
+                "tuned_attention": {str(k_): v_._asdict() for k_, v_ in fa.TUNED.items()},
+                "tuned_attention_large": {str(k_): {"from_batch": b_, **c_._asdict()}
+                                          for k_, (b_, c_) in fa.TUNED_LARGE.items()}})
     print("tuned", out[-1], flush=True)
     return out
 

@@ -446,6 +446,11 @@ def test_decoder_split_follows_the_tuned_attention_config(monkeypatch):
     # a BF16 cache reads its own entry, still the default here
     wb = DecoderWeights.from_packed(m.config, m.pack_weights(qat.Recipe("bf16")), device="cpu")
     assert GPUDecoder(wb, batch=4, max_len=512, use_graph=False).split_len == 64
+    # from the large-batch threshold up, the large-batch config; the mma kernel's split is whole tile pairs
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (4, fa.AttentionConfig(16, 1, 24, None, True, "mma")))
+    assert GPUDecoder(w, batch=3, max_len=512, use_graph=False).split_len == 256  # below it: TUNED
+    assert fa.attention_config(True, 4).kernel == "mma" and fa.attention_config(True, 3).kernel == "triton"
+    assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 192  # 3 splits of 6 tile pairs
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -583,7 +588,8 @@ def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_
     assert _rel(o, t) < 2e-3, ("mma vs triton", _rel(o, t))
     assert _rel(o, r) < 8e-3, ("mma vs reference", _rel(o, r))
     # rows are independent: a row alone gives the same bits as in the batch
-    o1 = fa.decode_attention(q[3:4], lens[3:4], k_fp4=tuple(x[3:4] for x in sw), v_fp4=tuple(x[3:4] for x in sw),
+    o1 = fa.decode_attention(q[3:4], lens[3:4], k_fp4=tuple(x[3:4] for x in sw[0]),
+                             v_fp4=tuple(x[3:4] for x in sw[1]),
                              split_len=split_len, swizzled=True, kernel="mma", block_t=block_t)
     assert torch.equal(o1, o[3:4])
 
@@ -627,9 +633,10 @@ def test_decoder_gpu_with_mma_attention(monkeypatch):
                       temperature=0.0)
     dec2.prefill(prompts.to("cuda"))
     toks2, lps2 = dec2.decode(20)
-    # the two kernels' float32 sums differ in order only: greedy tokens agree, log-probs closely
+    # the two kernels' float32 sums differ in order only, but the FP4 cache turns such differences into
+    # other codes for later tokens, so they grow along the sequence: greedy tokens agree, log-probs closely
     assert (toks2 == toks).float().mean() >= 0.9, (toks, toks2)
-    assert float((lps2 - lps).abs().max()) < 0.05
+    assert float((lps2 - lps).abs().mean()) < 0.01 and float((lps2 - lps).abs().max()) < 0.2
 
 
 @gpu

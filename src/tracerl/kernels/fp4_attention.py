@@ -231,12 +231,18 @@ class AttentionConfig(NamedTuple):
 DEFAULT_CONFIG = AttentionConfig()
 SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
 
-# KV_FP4 -> AttentionConfig; benchmarks fill it from a sweep at decode batch sizes (bench/rollout.py micro)
+# KV_FP4 -> AttentionConfig; benchmarks fill it from a sweep at decode batch sizes (bench/rollout.py micro).
+# TUNED_LARGE: KV_FP4 -> (from this batch up, the config there), where large batches want another kernel
+# (the mma kernel beats the Triton one at B=256 and loses at B=16: bench/RESULTS.md)
 TUNED: dict[bool, AttentionConfig] = {}
+TUNED_LARGE: dict[bool, tuple[int, AttentionConfig]] = {}
 
 
-def attention_config(fp4_kv: bool) -> AttentionConfig:
-    """The launch config the decoder uses for a BF16 (False) or FP4 (True) cache: tuned, else default."""
+def attention_config(fp4_kv: bool, batch: int | None = None) -> AttentionConfig:
+    """The launch config for a BF16 (False) or FP4 (True) cache at this decode batch: tuned, else default."""
+    large = TUNED_LARGE.get(fp4_kv)
+    if batch is not None and large is not None and batch >= large[0]:
+        return large[1]
     return TUNED.get(fp4_kv, DEFAULT_CONFIG)
 
 
@@ -275,13 +281,13 @@ def decode_attention(
     `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length and the tuned
-    config (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
+    config at this batch (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
     the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one. kernel: "triton" or
     "mma" (AttentionConfig.kernel; "mma" where `fp4_attention_mma.supported`, else "triton").
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    tuned = attention_config(fp4_kv)
+    tuned = attention_config(fp4_kv, B)
     kernel = kernel or tuned.kernel
     if kernel not in ("triton", "mma"):
         raise ValueError(f"kernel {kernel!r}: choose 'triton' or 'mma'")
