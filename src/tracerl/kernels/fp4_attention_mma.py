@@ -16,7 +16,7 @@ The contraction order of q . k is free, so the head dim is permuted to the order
 registers arrive (`K_PERM`; q is gathered by it once a program); V's output dim likewise (`V_PERM`,
 undone at the store). Only V^T needs an in-thread repack (its operand pairs positions, the decode pairs
 head-dim elements). Values are the same products as the Triton kernel's (exact c * s8 * 2**-9 in BF16,
-P = p / gv rounded to BF16), summed in another order: agreement is to float32 rounding, not bit for bit.
+P rounded to BF16), summed in another order: agreement is to float32 rounding, not bit for bit.
 
 Limits (checked by `supported`): swizzled FP4 cache, head dim 128, G = H / Hkv <= 8, CUDA (Gluon has no
 interpreter: the CPU tests compile it for sm_90, the GPU tests run it against the reference).
@@ -175,13 +175,12 @@ def _attend_tile(q, kw, ks2, gk, vw, vs2, gv, t, t1, m_i, l_i, acc, sm_scale, BT
     # swizzled K enters the dot as c * s8 * 2**-9: a power of two, so the scores are the Triton kernel's
     s = gl.where((tcol < t1)[None, :], s * ((sm_scale * 512.0) / gk)[None, :], float("-inf"))
     s8 = _rows8(s, L8)
-    g8 = _rows8(gl.full([16, BT], 0.0, gl.float32, layout=MMA) + gv[None, :], L8)
+    r8 = _rows8(gl.full([16, BT], 0.0, gl.float32, layout=MMA) + (1.0 / gv)[None, :], L8)
     m_new = gl.maximum(m_i, gl.max(s8, axis=1))
     alpha = gl.exp(m_i - m_new)
     p = gl.exp(s8 - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    # p / gv rounded to BF16, as the Triton kernel rounds it (a reciprocal first would round otherwise)
-    pt = gl.convert_layout(gl.permute((p / g8).to(gl.bfloat16), [1, 0]), OPB, assert_trivial=True)
+    pt = gl.convert_layout(gl.permute((p * r8).to(gl.bfloat16), [1, 0]), OPB, assert_trivial=True)
     # V^T (128, BT): the decode pairs head-dim values, the A fragments pair positions (an in-thread repack)
     vd = gl.permute(gl.reshape(_decode_words(vw, vs2, LV), [BT, 8, 2, 4, 2]), [2, 3, 4, 1, 0])
     vt = gl.convert_layout(gl.reshape(vd, [128, BT]), OPA)
