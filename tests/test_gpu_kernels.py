@@ -448,9 +448,31 @@ def test_decoder_split_follows_the_tuned_attention_config(monkeypatch):
     assert GPUDecoder(wb, batch=4, max_len=512, use_graph=False).split_len == 64
     # from the large-batch threshold up, the large-batch config; the mma kernel's split is whole tile pairs
     monkeypatch.setitem(fa.TUNED_LARGE, True, (4, fa.AttentionConfig(16, 1, 24, None, True, "mma")))
-    assert GPUDecoder(w, batch=3, max_len=512, use_graph=False).split_len == 256  # below it: TUNED
     assert fa.attention_config(True, 4).kernel == "mma" and fa.attention_config(True, 3).kernel == "triton"
+    # on CPU (and for shapes it lacks) the mma kernel cannot run: the decoder splits for the Triton kernel
+    assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 256
+    monkeypatch.setattr(fa, "mma_usable", lambda *a, **k: True)
+    assert GPUDecoder(w, batch=3, max_len=512, use_graph=False).split_len == 256  # below it: TUNED
     assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 192  # 3 splits of 6 tile pairs
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_effective_attention_config(monkeypatch):
+    """The config a launch runs: tuned per batch, a forced kernel at its own defaults, and the Triton
+    kernel at its config (not the mma one's single warp) where the mma kernel cannot run."""
+    small = fa.AttentionConfig(64, 2, 512, None, True, "triton")
+    large = fa.AttentionConfig(16, 1, 2048, None, True, "mma")
+    monkeypatch.setitem(fa.TUNED, True, small)
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (64, large))
+    assert fa.effective_config(True, 16) == small and fa.effective_config(True, 64) == large
+    assert fa.effective_config(True, 64, mma_ok=False) == small
+    assert fa.effective_config(True, 64, kernel="triton") == small
+    assert fa.effective_config(True, 16, kernel="mma") == fa.MMA_DEFAULT
+    monkeypatch.setitem(fa.TUNED, True, fa.MMA_DEFAULT)  # mma tuned everywhere, but not runnable here
+    assert fa.effective_config(True, 16, mma_ok=False) == fa.DEFAULT_CONFIG
+    with pytest.raises(ValueError, match="choose 'triton' or 'mma'"):
+        fa.effective_config(True, 16, kernel="cuda")
+    assert not fa.mma_usable(True, 32, 4, 128, True, "cpu")  # Gluon has no interpreter
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -238,12 +238,40 @@ TUNED: dict[bool, AttentionConfig] = {}
 TUNED_LARGE: dict[bool, tuple[int, AttentionConfig]] = {}
 
 
+MMA_DEFAULT = AttentionConfig(16, 1, 1024, None, True, "mma")  # the mma kernel's best on the H100 (RESULTS.md)
+
+
 def attention_config(fp4_kv: bool, batch: int | None = None) -> AttentionConfig:
-    """The launch config for a BF16 (False) or FP4 (True) cache at this decode batch: tuned, else default."""
+    """The tuned launch config for a BF16 (False) or FP4 (True) cache at this decode batch, else the default."""
     large = TUNED_LARGE.get(fp4_kv)
     if batch is not None and large is not None and batch >= large[0]:
         return large[1]
     return TUNED.get(fp4_kv, DEFAULT_CONFIG)
+
+
+def mma_usable(fp4_kv: bool, n_heads: int, n_kv_heads: int, head_dim: int, swizzled: bool,
+               device: torch.device | str) -> bool:
+    """Whether the mma kernel can run this cache: FP4, swizzled, a shape it handles, on CUDA (Gluon has no
+    interpreter)."""
+    return (fp4_kv and not INTERPRET and torch.device(device).type == "cuda" and n_kv_heads > 0
+            and fp4_attention_mma.supported(n_heads, n_kv_heads, head_dim, swizzled))
+
+
+def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok: bool = True) -> AttentionConfig:
+    """The config a launch runs: the tuned one at this batch, with `kernel` forced if given; where the
+    mma kernel cannot run (`mma_ok` False) the Triton kernel at its default config, not at the mma
+    config's one warp."""
+    tuned = attention_config(fp4_kv, batch)
+    kernel = kernel or tuned.kernel
+    if kernel not in ("triton", "mma"):
+        raise ValueError(f"kernel {kernel!r}: choose 'triton' or 'mma'")
+    if kernel == "mma" and not mma_ok:
+        kernel = "triton"
+    if kernel != tuned.kernel:  # the tuned config belongs to the other kernel
+        tuned = MMA_DEFAULT if kernel == "mma" else TUNED.get(fp4_kv, DEFAULT_CONFIG)
+        if tuned.kernel != kernel:
+            tuned = DEFAULT_CONFIG
+    return tuned
 
 
 def split_len_for(max_len: int, batch: int, n_kv_heads: int, block_t: int = 64,
@@ -287,16 +315,11 @@ def decode_attention(
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    tuned = attention_config(fp4_kv, B)
-    kernel = kernel or tuned.kernel
-    if kernel not in ("triton", "mma"):
-        raise ValueError(f"kernel {kernel!r}: choose 'triton' or 'mma'")
-    if kernel == "mma" and (not fp4_kv or INTERPRET or not q.is_cuda or k_fp4[0].shape[2] == 0
-                            or not fp4_attention_mma.supported(H, k_fp4[0].shape[2], Dh, swizzled)):
-        kernel = "triton"  # a BF16 or natural cache, the interpreter, or a shape the mma kernel lacks
-    same_tile = block_t in (None, tuned.block_t)
-    programs = tuned.programs if same_tile else None
-    block_t = block_t or (tuned.block_t if kernel == tuned.kernel else 64)
+    hkv = (k_fp4[0] if fp4_kv else k).shape[2]
+    tuned = effective_config(fp4_kv, B, kernel, mma_usable(fp4_kv, H, hkv, Dh, swizzled, q.device))
+    kernel = tuned.kernel
+    programs = tuned.programs if block_t in (None, tuned.block_t) else None
+    block_t = block_t or tuned.block_t
     num_warps = num_warps or tuned.num_warps
     maxnreg = maxnreg or tuned.maxnreg
     asm = fp4_gemm.USE_ASM if asm is None else asm
