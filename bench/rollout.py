@@ -179,6 +179,8 @@ def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
         if c_large is not None and c_large != c_small and large[-1][1] > 16:
             fa.TUNED_LARGE[fp4_kv] = (min(b for _, b in large), c_large)
             print(f"tuned attention {fmt} from batch {fa.TUNED_LARGE[fp4_kv][0]}: {c_large}", flush=True)
+        elif c_small is not None:
+            fa.TUNED_LARGE[fp4_kv] = None  # one config at every batch (not fa.DEFAULT_LARGE)
     return [{"kernel": f"attention {r['format']} kv", **r} for r in rows]
 
 
@@ -272,8 +274,8 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     out += tune_attention(bw, batch, ctx)
     out.append({"tuned_gemm": {str(k_): v_ for k_, v_ in fg.TUNED.items()}, "gemm_variant": chosen,
                 "tuned_attention": {str(k_): v_._asdict() for k_, v_ in fa.TUNED.items()},
-                "tuned_attention_large": {str(k_): {"from_batch": b_, **c_._asdict()}
-                                          for k_, (b_, c_) in fa.TUNED_LARGE.items()}})
+                "tuned_attention_large": {str(k_): v_ and {"from_batch": v_[0], **v_[1]._asdict()}
+                                          for k_, v_ in fa.TUNED_LARGE.items()}})
     print("tuned", out[-1], flush=True)
     return out
 

@@ -468,8 +468,16 @@ def test_effective_attention_config(monkeypatch):
     assert fa.effective_config(True, 64, mma_ok=False) == small
     assert fa.effective_config(True, 64, kernel="triton") == small
     assert fa.effective_config(True, 16, kernel="mma") == fa.MMA_DEFAULT
+    monkeypatch.setitem(fa.TUNED_LARGE, True, None)  # tuned: one config at every batch
+    assert fa.effective_config(True, 64) == small
     monkeypatch.setitem(fa.TUNED, True, fa.MMA_DEFAULT)  # mma tuned everywhere, but not runnable here
     assert fa.effective_config(True, 16, mma_ok=False) == fa.DEFAULT_CONFIG
+    # untuned: the Triton kernel's default, and for an FP4 cache the mma kernel from DEFAULT_LARGE's batch
+    monkeypatch.delitem(fa.TUNED, True)
+    monkeypatch.delitem(fa.TUNED_LARGE, True)
+    assert fa.effective_config(True, 63) == fa.DEFAULT_CONFIG and fa.effective_config(False, 512) == fa.DEFAULT_CONFIG
+    assert fa.effective_config(True, 64) == fa.MMA_DEFAULT
+    assert fa.effective_config(True, 64, mma_ok=False) == fa.DEFAULT_CONFIG
     with pytest.raises(ValueError, match="choose 'triton' or 'mma'"):
         fa.effective_config(True, 16, kernel="cuda")
     assert not fa.mma_usable(True, 32, 4, 128, True, "cpu")  # Gluon has no interpreter

@@ -232,18 +232,20 @@ DEFAULT_CONFIG = AttentionConfig()
 SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
 
 # KV_FP4 -> AttentionConfig; benchmarks fill it from a sweep at decode batch sizes (bench/rollout.py micro).
-# TUNED_LARGE: KV_FP4 -> (from this batch up, the config there), where large batches want another kernel
-# (the mma kernel beats the Triton one at B=256 and loses at B=16: bench/RESULTS.md)
+# TUNED_LARGE: KV_FP4 -> (from this batch up, the config there) or None (one config for every batch),
+# where large batches want another kernel (the mma kernel beats the Triton one at B=256 and loses at
+# B=16: bench/RESULTS.md). Untuned, an FP4 cache runs the mma kernel from B=64 (DEFAULT_LARGE: the
+# H100 run's tuned choice; `effective_config` falls back to the Triton kernel where it cannot run).
 TUNED: dict[bool, AttentionConfig] = {}
-TUNED_LARGE: dict[bool, tuple[int, AttentionConfig]] = {}
-
+TUNED_LARGE: dict[bool, tuple[int, AttentionConfig] | None] = {}
 
 MMA_DEFAULT = AttentionConfig(16, 1, 1024, None, True, "mma")  # the mma kernel's best on the H100 (RESULTS.md)
+DEFAULT_LARGE: dict[bool, tuple[int, AttentionConfig]] = {True: (64, MMA_DEFAULT)}
 
 
 def attention_config(fp4_kv: bool, batch: int | None = None) -> AttentionConfig:
     """The tuned launch config for a BF16 (False) or FP4 (True) cache at this decode batch, else the default."""
-    large = TUNED_LARGE.get(fp4_kv)
+    large = TUNED_LARGE[fp4_kv] if fp4_kv in TUNED_LARGE else DEFAULT_LARGE.get(fp4_kv)
     if batch is not None and large is not None and batch >= large[0]:
         return large[1]
     return TUNED.get(fp4_kv, DEFAULT_CONFIG)
