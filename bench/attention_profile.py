@@ -3,10 +3,12 @@
 Why: FP4-KV attention streams ~0.2-0.34 of the copy bandwidth where BF16 attention streams up to
 0.95, and neither async copies (a pipelined loop) nor a decode-friendly nibble layout (the swizzled
 cache) changed that (bench/RESULTS.md, 2026-12-07). This script measures how the work split (programs
-per launch: `fp4_attention.split_len_for(target_programs=)`) and the tile shape move it, and hands
-single launches to Nsight Compute for the stall reasons.
+per launch: `fp4_attention.split_len_for(target_programs=)`), the tile shape and the kernel (the
+Triton one, or on a swizzled cache `fp4_attention_mma`, which decodes into the MMA fragments) move it,
+and hands single launches to Nsight Compute for the stall reasons.
 
-    # timing sweep (device): one JSON line per (format, ctx, batch, programs, tile), writes --out
+    # timing sweep (device): one JSON line per (format, ctx, batch, kernel, programs, tile), writes --out
+    # (--mma-tiles '' leaves the mma kernel out; --mma-programs sets its program targets)
     PYTHONPATH=src python3 bench/attention_profile.py --sweep --out $OUT/attn_sweep.json
     # one launch per (format, ctx, batch) between cudaProfilerStart/Stop, for ncu:
     ncu --profile-from-start off --kernel-name regex:decode_attn ... python3 bench/attention_profile.py --ncu

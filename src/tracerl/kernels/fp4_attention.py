@@ -29,7 +29,12 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels import fp4_attention_mma, fp4_gemm, fp4_swizzle
+from tracerl.kernels import fp4_gemm, fp4_swizzle
+
+try:
+    from tracerl.kernels import fp4_attention_mma
+except ImportError:  # a Triton without Gluon's mma_v2 and linear layouts (< 3.6): the Triton kernel runs everywhere
+    fp4_attention_mma = None
 from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
     decode_attention_reference,
     fp4_rows,
@@ -254,9 +259,9 @@ def attention_config(fp4_kv: bool, batch: int | None = None) -> AttentionConfig:
 def mma_usable(fp4_kv: bool, n_heads: int, n_kv_heads: int, head_dim: int, swizzled: bool,
                device: torch.device | str) -> bool:
     """Whether the mma kernel can run this cache: FP4, swizzled, a shape it handles, on CUDA (Gluon has no
-    interpreter)."""
-    return (fp4_kv and not INTERPRET and torch.device(device).type == "cuda" and n_kv_heads > 0
-            and fp4_attention_mma.supported(n_heads, n_kv_heads, head_dim, swizzled))
+    interpreter), with a Triton that has Gluon's mma_v2 (3.6)."""
+    return (fp4_kv and fp4_attention_mma is not None and not INTERPRET and torch.device(device).type == "cuda"
+            and n_kv_heads > 0 and fp4_attention_mma.supported(n_heads, n_kv_heads, head_dim, swizzled))
 
 
 def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok: bool = True) -> AttentionConfig:
