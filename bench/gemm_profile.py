@@ -119,12 +119,14 @@ def graph_ms(fn, reps: int = 10, replays: int = 5) -> float:
     return a.elapsed_time(b) / (reps * replays)
 
 
-def _compile_some(jobs: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    """Worker: launch each job once at batch 16 so Triton's disk cache holds its binary."""
-    layer = Layer(16)
+def _compile_some(jobs: list[tuple[int, str, str, tuple[int, ...]]]) -> int:
+    """Worker: launch each job once at batch 16 so Triton's disk cache holds its binary (the row
+    tile BM is a constexpr: one compile serves every batch run at that BM)."""
+    layers: dict[int, Layer] = {}
     failed = 0
-    for kind, fmt, c in jobs:
+    for bm, kind, fmt, c in jobs:
         try:
+            layer = layers.get(bm) or layers.setdefault(bm, Layer(16, bm=bm))
             layer.call(kind, fmt, c)()
         except Exception:  # noqa: BLE001 - the timing pass reports it
             failed += 1
@@ -132,14 +134,15 @@ def _compile_some(jobs: list[tuple[str, str, tuple[int, ...]]]) -> int:
     return failed
 
 
-def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int, full: set[str]) -> None:
-    """Compile every (kind, fmt, config) in `workers` processes first: Triton compiles one kernel at a
-    time per process (about a second each here), and the cache is shared through the disk. Every
-    batch of the sweep uses the same row tile (BM 16 up to 16 rows per expert), so one compile serves all."""
+def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int, full: set[str],
+               bms: list[int]) -> None:
+    """Compile every (BM, kind, fmt, config) in `workers` processes first: Triton compiles one kernel
+    at a time per process (about a second each here), and the cache is shared through the disk."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = [(k, f, c) for k in ("gu", "dn") for f in fmts for c in (configs if f in full else configs[:1])]
+    jobs = [(bm, k, f, c) for bm in bms for k in ("gu", "dn") for f in fmts
+            for c in (configs if f in full else configs[:1])]
     chunks = [jobs[i::workers] for i in range(workers)]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         failed = sum(ex.map(_compile_some, chunks))
@@ -147,9 +150,9 @@ def precompile(fmts: list[str], configs: list[tuple[int, ...]], workers: int, fu
 
 
 def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], out: str | None,
-          full: set[str]) -> list[dict]:
-    """Time every (kind, fmt, config) at each batch (formats not in `full`: the first config only);
-    the fastest config per (kind, fmt, batch) is marked."""
+          full: set[str], bms: list[int] | None = None) -> list[dict]:
+    """Time every (kind, fmt, config) at each batch (formats not in `full`: the first config only),
+    at `pick_bm`'s row tile or at each of `bms`; the fastest config per (kind, fmt, batch) is marked."""
     bw = copy_bandwidth()
     rows: list[dict] = []
 
@@ -160,12 +163,13 @@ def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], o
             os.replace(out + ".tmp", out)
 
     for batch in batches:
-        layer = Layer(batch)
+        layers = [Layer(batch, bm=bm) for bm in bms] if bms else [Layer(batch)]
         todo = [(layer, kind, fmt, configs if fmt in full else configs[:1])
-                for kind, fmt in itertools.product(("gu", "dn"), fmts)]
-        if layer.bm == 16 and batch >= 64:  # larger row tiles: one tile (one weight pass) for more experts
+                for layer in layers for kind, fmt in itertools.product(("gu", "dn"), fmts)]
+        if not bms and layers[0].bm == 16 and batch >= 64:  # larger row tiles: one weight pass for more experts
             big = Layer(batch, bm=32)
             todo += [(big, kind, fmt, configs[:1]) for kind, fmt in itertools.product(("gu", "dn"), fmts) if fmt in full]
+        best_of: dict[tuple[str, str], dict] = {}
         for lay, kind, fmt, cfgs in todo:
             nb = lay.nbytes(kind, fmt)
             best = None
@@ -180,10 +184,14 @@ def sweep(batches: list[int], fmts: list[str], configs: list[tuple[int, ...]], o
                     r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-            if best is not None:
+            prev = best_of.get((kind, fmt))
+            if best is not None and (prev is None or best["ms"] < prev["ms"]):
+                if prev is not None:
+                    del prev["best"]
                 best["best"] = True
+                best_of[(kind, fmt)] = best
             save()
-        del layer
+        del layers, todo
         torch.cuda.empty_cache()
     return rows
 
@@ -212,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fmts", default="bf16,w4a16,w4a4,w4a16s,w4a4s,w4a4l",
                     help="s: swizzled weights; l: w4a4 activations dequantized in the K loop")
     ap.add_argument("--full", default="w4a16s,w4a4s", help="formats swept over every config (others: the default)")
+    ap.add_argument("--bms", default=None, help="row tiles BM to sweep, e.g. 64,128 (default: pick_bm's)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=8, help="processes that compile the sweep's kernels first")
     args = ap.parse_args(argv)
@@ -223,9 +232,10 @@ def main(argv=None) -> int:
     print("nibble conversion:", fg.selfcheck(), flush=True)
     if args.sweep:
         full = set(args.full.split(","))
+        bms = [int(b) for b in args.bms.split(",")] if args.bms else None
         if args.workers > 1:
-            precompile(fmts, SWEEP, args.workers, full)
-        sweep(batches, fmts, SWEEP, args.out, full)
+            precompile(fmts, SWEEP, args.workers, full, bms or [fg.pick_bm(b * 8 / 128) for b in batches])
+        sweep(batches, fmts, SWEEP, args.out, full, bms)
     if args.ncu:
         ncu_launches(batches, fmts)
     return 0

@@ -173,12 +173,14 @@ def compile_variants(log: list, regs: bool = False) -> None:
             kq, vq = (fp4.quantize(t, "nvfp4", per_row_global=True) for t in (k, v))
             for asm in (True, False):
                 fg.USE_ASM = asm
-                fa.decode_attention(q, lens, k=k, v=v, split_len=32)
-                # natural and swizzled (the decoder's) FP4 caches; the swizzled one also decoded by words
-                for swz, words in ((False, False), (True, False), (True, True)):
-                    fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
-                                        v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale), split_len=32,
-                                        swizzled=swz, words=words)
+                # split_len L: one split, the kernel writes the output itself (fa.FUSE_SINGLE_SPLIT)
+                for split in (32, L):
+                    fa.decode_attention(q, lens, k=k, v=v, split_len=split)
+                    # natural and swizzled (the decoder's) FP4 caches; the swizzled one also decoded by words
+                    for swz, words in ((False, False), (True, False), (True, True)):
+                        fa.decode_attention(q, lens, k_fp4=(kq.codes, kq.scales.view(torch.uint8), kq.global_scale),
+                                            v_fp4=(vq.codes, vq.scales.view(torch.uint8), vq.global_scale),
+                                            split_len=split, swizzled=swz, words=words)
             # the mma kernel (Gluon; decode_attention picks it on CUDA tensors only, so launched directly)
             from tracerl.kernels import fp4_attention_mma as fm
 
@@ -189,6 +191,8 @@ def compile_variants(log: list, regs: bool = False) -> None:
             sc, ss = fs.swizzle_blocks(kq.codes, kq.scales.view(torch.uint8))
             for bt in (16, 32):
                 fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, 32, bt)
+                fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, L, bt, S=1,
+                          out=torch.empty(B, H * Dh, dtype=torch.bfloat16))
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()

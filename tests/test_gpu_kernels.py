@@ -233,6 +233,22 @@ def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_
                              words=True)
     assert torch.equal(o1, o2) and torch.equal(o1, o3) and torch.equal(o1, o4)
     assert fa.kv_swizzle_check(dev) == "swizzle ok"
+    check_single_split_output(dev, q, lens, [dict(k=k.to(dev), v=v.to(dev)), dict(k_fp4=n[0], v_fp4=n[1]),
+                                             dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, block_t=block_t)
+
+
+def check_single_split_output(dev: str, q, lens, caches: list[dict], T: int, **kw) -> None:
+    """With one split the kernel writes o / l itself (fa.FUSE_SINGLE_SPLIT): the same bits as its
+    partials through the merge; with several splits the flag changes nothing."""
+    saved = fa.FUSE_SINGLE_SPLIT
+    try:
+        for cache in caches:
+            outs = {}
+            for fa.FUSE_SINGLE_SPLIT in (True, False):
+                outs[fa.FUSE_SINGLE_SPLIT] = fa.decode_attention(q, lens, split_len=T, **cache, **kw)
+            assert torch.equal(outs[True], outs[False]), (list(cache), _rel(outs[True], outs[False]))
+    finally:
+        fa.FUSE_SINGLE_SPLIT = saved
 
 
 def check_kv_store_swizzled(dev: str, B=8, Hkv=2, Dh=128):
@@ -622,6 +638,8 @@ def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_
                              v_fp4=tuple(x[3:4] for x in sw[1]),
                              split_len=split_len, swizzled=True, kernel="mma", block_t=block_t)
     assert torch.equal(o1, o[3:4])
+    check_single_split_output(dev, q, lens, [dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, kernel="mma",
+                              block_t=block_t)
 
 
 @gpu

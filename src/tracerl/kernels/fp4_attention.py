@@ -12,7 +12,8 @@ Cache layouts (those of rollout/kvcache.py, one layer):
 One program per (row, KV head, split) attends all G query heads of the group to its split's
 positions [split * split_len, min(len, (split + 1) * split_len)) with an online softmax in float32
 and writes a partial (o, m, l); a merge kernel combines the splits by their log-sum-exp
-(flash-decoding, as rollout/attention.py does on CPU). For an FP4 cache the K/V tiles are
+(flash-decoding, as rollout/attention.py does on CPU). With one split (`FUSE_SINGLE_SPLIT`) the
+program writes o / l itself. For an FP4 cache the K/V tiles are
 dequantized in registers to exact c * s8 (BF16) and never written out; 1/gs of a position is
 folded into its score (K) and into its probability before the PV dot (V). Against the engine's
 CPU path (K/V dequantized to BF16, then float32 softmax) the result agrees to BF16 rounding:
@@ -41,6 +42,11 @@ from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the 
     qkv_post_reference,
 )
 from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _w_decode, _w_load
+
+# Where a launch has one split per (row, KV head) (large batches), the attention kernel normalizes and
+# writes the BF16 output itself, with no partials and no merge; the same values as the merge's (at one
+# split its weight is exp(0) = 1, so it computes o / l as well). Off: always partials + merge (A/B).
+FUSE_SINGLE_SPLIT = True
 
 
 @triton.jit
@@ -119,10 +125,11 @@ def _decode_attn_kernel(
     q_ptr, sqb,
     k_ptr, v_ptr, skb, skt,
     kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, scb, sct, ssb, sst, sgb, sgt,
-    len_ptr, po_ptr, pml_ptr,
+    len_ptr, po_ptr, pml_ptr, out_ptr,
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
     KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, WORDS: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -173,17 +180,28 @@ def _decode_attn_kernel(
             kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
             m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
         t += BT
-    prow = ((b64 * H + heads) * S + sp)
-    if KV_FP4:
-        if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
-            acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
-        optr = po_ptr + prow[:, None] * DH + 2 * j[None, :]
-        tl.store(optr, acc_ev, mask=gmask[:, None])
-        tl.store(optr + 1, acc_od, mask=gmask[:, None])
+    if FINAL:  # one split: the output itself, o / l in BF16 (the merge's value at S = 1: its weight is exp(0))
+        prow = b64 * H + heads
+        if KV_FP4:
+            if SWZ:
+                acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
+            optr = out_ptr + prow[:, None] * DH + 2 * j[None, :]
+            tl.store(optr, _bf16(acc_ev / l_i[:, None]), mask=gmask[:, None])
+            tl.store(optr + 1, _bf16(acc_od / l_i[:, None]), mask=gmask[:, None])
+        else:
+            tl.store(out_ptr + prow[:, None] * DH + d[None, :], _bf16(acc / l_i[:, None]), mask=gmask[:, None])
     else:
-        tl.store(po_ptr + prow[:, None] * DH + d[None, :], acc, mask=gmask[:, None])
-    tl.store(pml_ptr + prow * 2, m_i, mask=gmask)
-    tl.store(pml_ptr + prow * 2 + 1, l_i, mask=gmask)
+        prow = ((b64 * H + heads) * S + sp)
+        if KV_FP4:
+            if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
+                acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
+            optr = po_ptr + prow[:, None] * DH + 2 * j[None, :]
+            tl.store(optr, acc_ev, mask=gmask[:, None])
+            tl.store(optr + 1, acc_od, mask=gmask[:, None])
+        else:
+            tl.store(po_ptr + prow[:, None] * DH + d[None, :], acc, mask=gmask[:, None])
+        tl.store(pml_ptr + prow * 2, m_i, mask=gmask)
+        tl.store(pml_ptr + prow * 2 + 1, l_i, mask=gmask)
 
 
 @triton.jit
@@ -354,16 +372,24 @@ def decode_attention(
         q = q.contiguous()
     split_len = split_len or split_len_for(T, B, Hkv, block_t * (2 if kernel == "mma" else 1), programs)
     S = triton.cdiv(T, split_len)
-    po = torch.empty(B, H, S, Dh, device=q.device, dtype=torch.float32)
-    pml = torch.empty(B, H, S, 2, device=q.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, H * Dh, device=q.device, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (B, H * Dh) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous BF16 ({B}, {H * Dh}), got {out.dtype} {tuple(out.shape)}")
+    # one split a (row, KV head): the kernel writes the output itself and no merge runs (at large
+    # batches, e.g. 1k positions x 1776 rows: the float32 partials were 4x the output's bytes)
+    final = S == 1 and FUSE_SINGLE_SPLIT
+    pb, ph, ps = (1, 1, 1) if final else (B, H, S)  # (final: the partials' pointers are never read)
+    po = torch.empty(pb, ph, ps, Dh, device=q.device, dtype=torch.float32)
+    pml = torch.empty(pb, ph, ps, 2, device=q.device, dtype=torch.float32)
     if kernel == "mma":
         if kc.data_ptr() % 16 or vc.data_ptr() % 16 or any(st % 16 for st in kc.stride()[:-1]):
             raise ValueError("the mma attention kernel loads code rows as 16-byte vectors: the FP4 cache's "
                              "codes must be 16-byte aligned (FP4KVCache's are)")
-        fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t)
-        _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+        fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t,
+                                 S=S, out=out if final else None)
+        if not final:
+            _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
         return out
     d = q  # placeholder for unused pointers
     if fp4_kv:
@@ -372,12 +398,13 @@ def decode_attention(
     else:
         args = (k, v, k.stride(0), k.stride(1), d, d, d, d, d, d, 0, 0, 0, 0, 0, 0)
     _decode_attn_kernel[(B, Hkv, S)](
-        q, q.stride(0), *args, lens, po, pml, 1.0 / math.sqrt(Dh), S, split_len,
+        q, q.stride(0), *args, lens, po, pml, out, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, num_warps=num_warps, num_stages=2,
-        **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
+        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final,
+        num_warps=num_warps, num_stages=2, **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
     )
-    _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+    if not final:
+        _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
     return out
 
 

@@ -189,9 +189,10 @@ def _attend_tile(q, kw, ks2, gk, vw, vs2, gv, t, t1, m_i, l_i, acc, sm_scale, BT
 @gluon.jit
 def _mma_attn_kernel(
     q_ptr, sqb, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, scb4, sct4, ssb, sst, sgb, sgt,
-    len_ptr, po_ptr, pml_ptr, permk_ptr, permv_ptr, sm_scale, S, SPLIT_LEN,
+    len_ptr, po_ptr, pml_ptr, out_ptr, permk_ptr, permv_ptr, sm_scale, S, SPLIT_LEN,
     H: gl.constexpr, G: gl.constexpr, BT: gl.constexpr,
     LK: gl.constexpr, LV: gl.constexpr, LKS: gl.constexpr, LVS: gl.constexpr, L8: gl.constexpr,
+    FINAL: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -239,13 +240,19 @@ def _mma_attn_kernel(
 
     acc = acc * 512.0  # swizzled V: c * s8 * 2**-9
     go = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    prow = (b64 * H + hk * G + gl.where(go < G, go, 0)) * S + sp
     pv_ = gl.load(permv_ptr + gl.arange(0, 128, layout=gl.SliceLayout(1, MMA)))
-    gl.store(po_ptr + prow[None, :] * 128 + pv_[:, None], acc, mask=(go < G)[None, :])
-    gm = gl.arange(0, 8, layout=gl.SliceLayout(1, L8))
-    mrow = (b64 * H + hk * G + gl.where(gm < G, gm, 0)) * S + sp
-    gl.store(pml_ptr + mrow * 2, m_i, mask=gm < G)
-    gl.store(pml_ptr + mrow * 2 + 1, l_i, mask=gm < G)
+    if FINAL:  # one split: the BF16 output o / l (what the merge computes at S = 1)
+        orow = b64 * H + hk * G + gl.where(go < G, go, 0)
+        lo = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
+        gl.store(out_ptr + orow[None, :] * 128 + pv_[:, None], (acc / lo[None, :]).to(gl.bfloat16),
+                 mask=(go < G)[None, :])
+    else:
+        prow = (b64 * H + hk * G + gl.where(go < G, go, 0)) * S + sp
+        gl.store(po_ptr + prow[None, :] * 128 + pv_[:, None], acc, mask=(go < G)[None, :])
+        gm = gl.arange(0, 8, layout=gl.SliceLayout(1, L8))
+        mrow = (b64 * H + hk * G + gl.where(gm < G, gm, 0)) * S + sp
+        gl.store(pml_ptr + mrow * 2, m_i, mask=gm < G)
+        gl.store(pml_ptr + mrow * 2 + 1, l_i, mask=gm < G)
 
 
 @gluon.jit
@@ -265,11 +272,15 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, swizzled: bool) -> b
     return swizzled and head_dim == DH and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
 
 
-def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len: int, block_t: int) -> None:
-    """The partial (o, m, l) of every (row, KV head, split), as fp4_attention's `_decode_attn_kernel` writes them."""
+def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len: int, block_t: int,
+           S: int | None = None, out: torch.Tensor | None = None) -> None:
+    """The partial (o, m, l) of every (row, KV head, split), as fp4_attention's `_decode_attn_kernel`
+    writes them; with `out` (one split, S = 1) the BF16 output (B, H * 128) instead."""
     B, H, Dh = q.shape
     Hkv = kc.shape[2]
-    S = po.shape[2]
+    S = po.shape[2] if S is None else S
+    if out is not None and S != 1:
+        raise ValueError(f"the output is written in-kernel only with one split, not {S}")
     dev = q.device
     if dev not in _TABLES:
         _TABLES[dev] = (torch.tensor(k_perm(), dtype=torch.int32, device=dev),
@@ -277,8 +288,8 @@ def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len:
     permk, permv = _TABLES[dev]
     _mma_attn_kernel[(B, Hkv, S)](
         q, q.stride(0), kc, ks, kg, vc, vs, vg, kc.stride(0) // 4, kc.stride(1) // 4, ks.stride(0), ks.stride(1),
-        kg.stride(0), kg.stride(1), lens, po, pml, permk, permv, sm_scale, S, split_len,
-        H=H, G=H // Hkv, BT=block_t, LK=k_layout(block_t), LV=v_layout(block_t), LKS=k_scale_layout(block_t),
-        LVS=v_scale_layout(block_t), L8=s8_layout(block_t),
+        kg.stride(0), kg.stride(1), lens, po, pml, out if out is not None else po, permk, permv, sm_scale, S,
+        split_len, H=H, G=H // Hkv, BT=block_t, LK=k_layout(block_t), LV=v_layout(block_t),
+        LKS=k_scale_layout(block_t), LVS=v_scale_layout(block_t), L8=s8_layout(block_t), FINAL=out is not None,
         num_warps=1,
     )

@@ -284,17 +284,22 @@ def quantize_weight(w: torch.Tensor) -> fp4.FP4Tensor:
     return fp4.FP4Tensor(q.codes.reshape(E, O, I // 2), q.scales.reshape(E, O, I // 16), gs, "nvfp4", w.shape)
 
 
-def _mm_f32_out():
-    """torch.mm(a, b, out_dtype=float32) for BF16 inputs where this torch has it, else None."""
+def _mm_f32_out() -> int:
+    """What this torch's torch.mm(a, b, out_dtype=float32) does for BF16 inputs: 2 also into an
+    `out=` buffer, 1 only into a new tensor, 0 not at all."""
+    a = torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
     try:
-        a = torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
         torch.mm(a, a, out_dtype=torch.float32)
-        return True
     except Exception:
-        return False
+        return 0
+    try:
+        torch.mm(a, a, out_dtype=torch.float32, out=torch.empty(2, 2, device=a.device))
+        return 2
+    except Exception:
+        return 1
 
 
-_HAS_MM_OUT_DTYPE: bool | None = None
+_HAS_MM_OUT_DTYPE: int | None = None
 # FP4 expert inputs: the quantize pass also writes the BF16 c * s8 the GEMM reads (fp4_gemm.DEQUANT_A)
 # instead of a separate dequantize pass per GEMM. Off: the two-pass form (set it off before building a
 # decoder to A/B the two).
@@ -398,7 +403,12 @@ class GPUDecoder:
         self.pos.add_(1)
         self.seed.add_(1)
 
-    def _linear(self, x: torch.Tensor, w, site: str, out_f32: bool = False) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w, site: str, out_f32: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:  # into a static buffer: the lm_head's logits, a GiB at the largest batches
+            if out_f32 and _HAS_MM_OUT_DTYPE == 2 and not isinstance(w, fp4.FP4Tensor):
+                return torch.mm(x, w.T, out_dtype=torch.float32, out=out)
+            return out.copy_(self._linear(x, w, site, out_f32))
         if isinstance(w, fp4.FP4Tensor):
             return fg.fp4_linear(self._act(f"{site}.input", x), w, out_f32=out_f32)
         if out_f32 and _HAS_MM_OUT_DTYPE:
@@ -468,7 +478,7 @@ class GPUDecoder:
             self._moe(i, lw)
             nxt = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.final_norm
             add_rmsnorm(self.x, self.y.view(self.B, cfg.top_k, cfg.hidden_size), nxt, eps, self.h)
-        self.logits.copy_(self._linear(self.h, w.lm_head, "lm_head", out_f32=True))
+        self._linear(self.h, w.lm_head, "lm_head", out_f32=True, out=self.logits)
         sample_tokens(self.logits, self.temperature, self.seed, self.next_tokens, self.logprobs)
         self._advance()
 
