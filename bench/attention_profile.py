@@ -41,6 +41,8 @@ TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps); (64, 4) t
 MAXNREG = [None, 168]  # registers per thread: 168 lets 3 CTAs of 4 warps share an SM (128: spills, slower)
 MMA_PROGRAMS = [256, 512, 1024, 2048]  # fp4_attention_mma: one warp a program (more splits: more partials)
 MMA_TILES = [16, 32]  # its positions a tile (a register tile of 64 spills)
+# its register caps: 168 registers (BT=16, uncapped) hold 12 one-warp programs an SM; 128 would hold 16
+MMA_MAXNREG = [None, 128]
 FORMATS = ["bf16", "fp4-swizzled"]  # the decoder's layouts; "fp4" (natural) on request
 ALL_FORMATS = ["bf16", "fp4", "fp4-swizzled"]
 
@@ -87,7 +89,7 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
           programs_list: list[int] | None = None, tiles: list[tuple[int, int]] | None = None,
           maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None,
           bw: float | None = None, mma_tiles: list[int] | None = None,
-          mma_programs: list[int] | None = None) -> list[dict]:
+          mma_programs: list[int] | None = None, mma_maxnregs: list[int | None] | None = None) -> list[dict]:
     """Time every (format, point, programs, tile, register cap, word decode), and on a swizzled cache
     the mma kernel at every (mma_programs, mma_tiles) (default MMA_*; [] for none); print one JSON line
     each, the best per (format, point) last, and write them all to `out` (if given). bw: the copy
@@ -106,8 +108,9 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
                 programs_list or PROGRAMS, tiles or TILES, maxnregs or MAXNREG,
                 wl if fmt == "fp4-swizzled" else (False,))]
             if fmt == "fp4-swizzled":  # the mma kernel: one warp a program, so more programs a launch
-                cands += [(p, (bt, 1), None, True, "mma") for p, bt in itertools.product(
-                    mma_programs or MMA_PROGRAMS, MMA_TILES if mma_tiles is None else mma_tiles)]
+                cands += [(p, (bt, 1), n, True, "mma") for p, bt, n in itertools.product(
+                    mma_programs or MMA_PROGRAMS, MMA_TILES if mma_tiles is None else mma_tiles,
+                    mma_maxnregs or MMA_MAXNREG)]
             for programs, tile, nreg, words, kernel in cands:
                 fn = cache.call(fmt, programs, tile, nreg, words=words, kernel=kernel)
                 try:
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", default="", help="0,1: word decode of the swizzled cache (default: both)")
     ap.add_argument("--mma-tiles", default=None, help="mma kernel tiles, e.g. 16,32 (default: MMA_TILES; '' none)")
     ap.add_argument("--mma-programs", default="", help="mma kernel program targets (default: MMA_PROGRAMS)")
+    ap.add_argument("--mma-maxnreg", default="", help="mma kernel register caps, 0 = none (default: MMA_MAXNREG)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep(points, formats, args.out, ints(args.programs) or None, tiles,
               [n or None for n in ints(args.maxnreg)] or None, [bool(w) for w in ints(args.words)] or None,
               mma_tiles=None if args.mma_tiles is None else ints(args.mma_tiles),
-              mma_programs=ints(args.mma_programs) or None)
+              mma_programs=ints(args.mma_programs) or None,
+              mma_maxnregs=[n or None for n in ints(args.mma_maxnreg)] or None)
     if args.ncu:  # the first of --programs / --tiles / --words, if given
         tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t]
         ncu_launches(points, formats, (ints(args.programs) or [None])[0], tiles[0] if tiles else (64, 4),

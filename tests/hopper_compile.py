@@ -45,8 +45,9 @@ class _Sm90Driver:
 
 
 def resource_usage(kernel) -> str:
-    """'REG:n LOCAL:n SMEM:n' of a compiled kernel: registers per thread and spills (cuobjdump, which
-    ships with Triton) and the dynamic shared memory Triton allocates (bytes)."""
+    """'REG:n STACK:n LOCAL:n SMEM:n' of a compiled kernel: registers per thread, the stack frame that
+    register spills go to (bytes; LOCAL is only static local arrays), from cuobjdump (which ships with
+    Triton), and the dynamic shared memory Triton allocates (bytes)."""
     import subprocess
     import tempfile
 
@@ -59,7 +60,7 @@ def resource_usage(kernel) -> str:
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     usage = next((line.strip() for line in out.splitlines() if "REG:" in line), "")
     # Triton's shared memory is dynamic (in the metadata); cuobjdump's SHARED is only the static part
-    return " ".join(w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))) + f" SMEM:{kernel.metadata.shared}"
+    return " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "LOCAL:"))) + f" SMEM:{kernel.metadata.shared}"
 
 
 @contextlib.contextmanager
@@ -149,6 +150,16 @@ def compile_variants(log: list, regs: bool = False) -> None:
                         fg.DEQUANT_A = False
                         fg.grouped_gemm(xq, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         fg.DEQUANT_A = True
+            # the large-batch tiles (fg.LARGE) on the decoder's swizzled weights, w4a16 and w4a4
+            fg.PREFETCH = fg.SWAP_AB = fg.TMA_W = False
+            for kind, entries in fg.LARGE.items():
+                for _, c in entries:
+                    a = (xq if kind[2] else fp4.quantize(h, "nvfp4", per_row_global=True)) if kind[1] else \
+                        (x if kind[2] else h)
+                    if kind[2]:
+                        fg.grouped_gemm(a, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True, config=c)
+                    else:
+                        fg.grouped_gemm(a, s_dn, offs, dst_idx=pair, gate=gs, out=out, config=c)
             # a per-kind choice (what bench/rollout.py --micro stores) overrides the module flags
             fg.PREFETCH = fg.SWAP_AB = fg.TMA_W = False
             fg.KERNEL_VARIANT[(True, True, True)] = (False, True, True)

@@ -500,6 +500,33 @@ def test_effective_attention_config(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_gemm_config_follows_rows_per_expert(monkeypatch):
+    """pick_bm + TUNED at decode batches; fg.LARGE's last reached entry past its thresholds; BF16 weights
+    never take the FP4 tiles; row tiles a caller passes keep their BM."""
+    monkeypatch.setattr(fg, "TUNED", {(True, True, True): (64, 64, 8, 2)})
+    monkeypatch.setattr(fg, "LARGE", {(True, True, True): [(24.0, (32, 128, 128, 4, 2)), (80.0, (128, 128, 128, 8, 4))]})
+    gu = (True, True, True)
+    assert fg.gemm_config(gu, 4.0) == (16, 64, 64, 8, 2)
+    assert fg.gemm_config(gu, 24.0) == (32, 64, 64, 8, 2)  # thresholds are exclusive
+    assert fg.gemm_config(gu, 34.0) == (32, 128, 128, 4, 2)
+    assert fg.gemm_config(gu, 111.0) == (128, 128, 128, 8, 4)
+    assert fg.gemm_config((False, False, True), 111.0) == (64, 64, 128, 4, fg.STAGES)
+    # grouped_gemm resolves its config by gemm_config: the row tiles it makes (before any launch) have its BM
+    monkeypatch.setitem(fg.LARGE, (True, False, True), [(2.0, (48, 64, 128, 4, 2))])
+
+    def tiles_at(offsets, bm, max_tiles):
+        raise LookupError(f"row tiles of {bm}")
+
+    monkeypatch.setattr(fg, "row_tiles", tiles_at)
+    w = qat.quantize_weight(torch.randn(3, 64, 128).bfloat16(), "nvfp4")
+    x, offs = torch.randn(9, 128).bfloat16(), torch.tensor([2, 5, 9], dtype=torch.int32)
+    with pytest.raises(LookupError, match="row tiles of 48"):
+        fg.grouped_gemm(x, w, offs, swiglu=True)
+    with pytest.raises(LookupError, match="row tiles of 16"):  # 1.5 rows an expert: under the threshold
+        fg.grouped_gemm(x, w, offs, swiglu=True, rows_per_group=1.5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_swap_ab_is_refused_on_swizzled_weights(monkeypatch):
     """The refusal precedes any launch, so CPU tensors reach it: SWAP_AB with the PTX path on swizzled weights."""
     from tracerl.kernels.fp4_swizzle import SwizzledFP4
@@ -581,6 +608,15 @@ def test_kernels_gpu_small():
 @pytest.mark.gpu
 def test_grouped_gemm_gpu_realistic():
     check_grouped_gemm("cuda", E=16, F=768, D=2048, T=64, K=8)
+
+
+@gpu
+@pytest.mark.gpu
+def test_grouped_gemm_gpu_large_batch_tiles():
+    """At 128 rows per expert the large-batch tiles run (fg.LARGE: one 128-row SwiGLU tile, BN 128)."""
+    assert fg.gemm_config((True, True, True), 128.0)[0] == 128
+    check_grouped_gemm("cuda", E=8, F=768, D=2048, T=256, K=4)
+    check_swizzled_gemm("cuda", E=8, F=768, D=2048, T=256, K=4)
 
 
 @gpu

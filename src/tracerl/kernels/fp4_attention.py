@@ -227,7 +227,7 @@ class AttentionConfig(NamedTuple):
     the PTX path; the same values bit for bit, fewer instructions and registers than by bytes), and
     which kernel runs a swizzled FP4 cache: "triton" (`_decode_attn_kernel`) or "mma"
     (`fp4_attention_mma`: one warp a program, K/V decoded straight into the MMA fragments; num_warps,
-    maxnreg and words do not apply to it)."""
+    words do not apply to it; maxnreg caps its registers as the Triton kernel's)."""
 
     block_t: int = 64
     num_warps: int = 4
@@ -387,7 +387,7 @@ def decode_attention(
             raise ValueError("the mma attention kernel loads code rows as 16-byte vectors: the FP4 cache's "
                              "codes must be 16-byte aligned (FP4KVCache's are)")
         fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t,
-                                 S=S, out=out if final else None)
+                                 S=S, out=out if final else None, maxnreg=maxnreg)
         if not final:
             _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
         return out

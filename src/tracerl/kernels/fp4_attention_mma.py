@@ -273,7 +273,7 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, swizzled: bool) -> b
 
 
 def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len: int, block_t: int,
-           S: int | None = None, out: torch.Tensor | None = None) -> None:
+           S: int | None = None, out: torch.Tensor | None = None, maxnreg: int | None = None) -> None:
     """The partial (o, m, l) of every (row, KV head, split), as fp4_attention's `_decode_attn_kernel`
     writes them; with `out` (one split, S = 1) the BF16 output (B, H * 128) instead."""
     B, H, Dh = q.shape
@@ -291,5 +291,5 @@ def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len:
         kg.stride(0), kg.stride(1), lens, po, pml, out if out is not None else po, permk, permv, sm_scale, S,
         split_len, H=H, G=H // Hkv, BT=block_t, LK=k_layout(block_t), LV=v_layout(block_t),
         LKS=k_scale_layout(block_t), LVS=v_scale_layout(block_t), L8=s8_layout(block_t), FINAL=out is not None,
-        num_warps=1,
+        num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -569,6 +569,34 @@ def pick_bm(rows_per_group: float) -> int:
     return 64
 
 
+# FP4-weight GEMMs at large batches, per kind like TUNED: [(from rows per expert, (BM, BN, BK, num_warps,
+# num_stages)), ...] ascending; below the first threshold pick_bm and TUNED hold. From the H100 sweep at
+# 34 and 111 rows per expert (1k positions, 544 / 1776 rows; bench/results/gemm_large_h100.json): there
+# wide weight tiles (BN 128) won every FP4 kind, and the fused SwiGLU GEMM wanted one 128-row tile per
+# expert at 111 rows (its weights decoded once), the down GEMM 64 (-10% / -11% against the shipped
+# tiles; BF16 weights keep theirs). The activations' format changes only the epilogue, so w4a16 takes
+# w4a4's tiles.
+_GU_LARGE = [(24.0, (32, 128, 128, 4, 2)), (80.0, (128, 128, 128, 8, 4))]
+_DN_LARGE = [(24.0, (64, 128, 128, 4, 3))]
+LARGE: dict[tuple[bool, bool, bool], list[tuple[float, tuple[int, ...]]]] = {
+    (True, False, True): _GU_LARGE, (True, True, True): _GU_LARGE,
+    (True, False, False): _DN_LARGE, (True, True, False): _DN_LARGE,
+}
+
+
+def gemm_config(kind: tuple[bool, bool, bool], rows_per_group: float) -> tuple[int, ...]:
+    """(BM, BN, BK, num_warps, num_stages) of a GEMM of `kind` = (FP4 weights, FP4 activations, swiglu)
+    at this mean of rows per expert: LARGE's last entry it reaches, else pick_bm's tile with TUNED's."""
+    chosen = None
+    for from_rows, config in LARGE.get(kind, ()):
+        if rows_per_group > from_rows:
+            chosen = config
+    if chosen is not None:
+        return chosen
+    bn, bk, nw, *ns = TUNED.get(kind, (64, 128, 4))
+    return (pick_bm(rows_per_group), bn, bk, nw, ns[0] if ns else STAGES)
+
+
 def grouped_gemm(
     a: torch.Tensor | fp4.FP4Tensor,
     w: torch.Tensor | fp4.FP4Tensor,
@@ -593,7 +621,8 @@ def grouped_gemm(
     n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
     with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
     `row_tiles` (made here if None; a decoder makes them once per layer for both GEMMs).
-    config = (BM, BN, BK, num_warps[, num_stages]) (default: `pick_bm`, then TUNED or (64, 128, 4)).
+    config = (BM, BN, BK, num_warps[, num_stages]) (default: `gemm_config` at rows_per_group, or with
+    `tiles` of another BM, TUNED or (64, 128, 4) at theirs).
     a_dequant: with FP4 `a` and DEQUANT_A, its BF16 e2m1 * block scale (R, K) already made (by
     `fp4_quant.quantize(dequant_out=)` in the quantize pass), so no dequantize pass runs here.
     """
@@ -662,8 +691,9 @@ def grouped_gemm(
     if rows_per_group is None:
         rows_per_group = N / max(E, 1)
     if config is None:
-        bn, bk, nw, *ns = TUNED.get(kind, (64, 128, 4))
-        bm = tiles[2] if tiles is not None else pick_bm(rows_per_group)
+        bm, bn, bk, nw, *ns = gemm_config(kind, rows_per_group)
+        if tiles is not None and tiles[2] != bm:  # the caller's row tiles decide BM: TUNED's tiles at it
+            bm, (bn, bk, nw, *ns) = tiles[2], TUNED.get(kind, (64, 128, 4))
         bk = bk if K % bk == 0 else 64
     else:
         bm, bn, bk, nw, *ns = config

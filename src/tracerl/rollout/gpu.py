@@ -338,8 +338,7 @@ class GPUDecoder:
         acfg = fa.effective_config(bool(self.recipe.kv), B, mma_ok=fa.mma_usable(
             bool(self.recipe.kv), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_swizzled, dev))
         self.split_len = fa.split_len_for(max_len, B, cfg.num_kv_heads, acfg.split_block, acfg.programs)
-        self.bm = fg.pick_bm(B * K / cfg.num_experts)
-        self.max_tiles = fg.max_row_tiles(cfg.num_experts, B * K, self.bm)
+        self.rows_per_expert = B * K / cfg.num_experts  # the GEMM tiles follow it (fg.gemm_config)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(B, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, **i32)
@@ -426,8 +425,12 @@ class GPUDecoder:
         ids, gates = fg.route(logits, K, cfg.norm_topk_prob or cfg.router == "topk_softmax")
         self._observe_routing(i, ids)
         offs, tok, pair, gsort = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
-        tiles = (*fg.row_tiles(offs, self.bm, self.max_tiles), self.bm)
-        if not isinstance(lw.gate_up, fp4.FP4Tensor) and self.bf16_experts == "grouped_mm":
+        w4 = isinstance(lw.gate_up, fp4.FP4Tensor)
+        c_gu = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.gate_up.input"), True), self.rows_per_expert)
+        c_dn = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.down.input"), False), self.rows_per_expert)
+        # the row tiles of each row-tile size the two GEMMs use (one small kernel each; often one size)
+        tiles = {bm: (*fg.row_tiles(offs, bm, fg.max_row_tiles(E, self.B * K, bm)), bm) for bm in {c_gu[0], c_dn[0]}}
+        if not w4 and self.bf16_experts == "grouped_mm":
             xs = self.h[tok.long()]
             h2 = torch._grouped_mm(xs, lw.gate_up.transpose(-2, -1), offs=offs)
             hm = F.silu(h2[:, :Fw]) * h2[:, Fw:]
@@ -438,11 +441,11 @@ class GPUDecoder:
         # instead of a dequantize pass per GEMM (96 launches a step, ~2.5% of a B=16 step on the H100)
         dq = self.fused_dequant and self.recipe.quantizes(f"{p}.gate_up.input")
         xa = self._act(f"{p}.gate_up.input", self.h, dequant_out=self.dq_h if dq else None)
-        hmid = fg.grouped_gemm(xa, lw.gate_up, offs, row_idx=tok, swiglu=True, n_rows=tok.numel(), tiles=tiles,
-                               a_dequant=self.dq_h if dq else None)
+        hmid = fg.grouped_gemm(xa, lw.gate_up, offs, row_idx=tok, swiglu=True, n_rows=tok.numel(),
+                               tiles=tiles[c_gu[0]], config=c_gu, a_dequant=self.dq_h if dq else None)
         dq = self.fused_dequant and self.recipe.quantizes(f"{p}.down.input")
         hm = self._act(f"{p}.down.input", hmid, pairs=pair, dequant_out=self.dq_mid if dq else None)
-        fg.grouped_gemm(hm, lw.down, offs, dst_idx=pair, gate=gsort, out=self.y, tiles=tiles,
+        fg.grouped_gemm(hm, lw.down, offs, dst_idx=pair, gate=gsort, out=self.y, tiles=tiles[c_dn[0]], config=c_dn,
                         a_dequant=self.dq_mid if dq else None)
 
     def _attention(self, i: int, lw: LayerWeights) -> torch.Tensor:
