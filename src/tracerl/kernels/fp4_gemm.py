@@ -620,7 +620,8 @@ def grouped_gemm(
     an NVFP4 FP4Tensor (E, O, K) with global scale (E,) / (E, 1, 1). offsets: int32 (E,).
     n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
     with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
-    `row_tiles` (made here if None; a decoder makes them once per layer for both GEMMs).
+    `row_tiles` (made here if None or of another BM than `config`'s; the decoder makes them once a
+    layer for each BM its two GEMMs use).
     config = (BM, BN, BK, num_warps[, num_stages]) (default: `gemm_config` at rows_per_group, or with
     `tiles` of another BM, TUNED or (64, 128, 4) at theirs).
     a_dequant: with FP4 `a` and DEQUANT_A, its BF16 e2m1 * block scale (R, K) already made (by
