@@ -187,7 +187,7 @@ def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
 def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     """One layer's expert GEMMs and attention at `batch`, per kernel and tile config.
 
-    Sweeps (BN, BK, num_warps) of each grouped GEMM (CUDA events) and keeps the fastest in fg.TUNED,
+    Sweeps (BN, BK, num_warps) of each grouped GEMM (CUDA-graph replays) and keeps the fastest in fg.TUNED,
     times the vendor BF16 grouped GEMM (torch._grouped_mm) as the BF16 alternative, and tunes the
     attention (`tune_attention`: fa.TUNED, fa.TUNED_LARGE) for the decode sweep."""
     from tracerl import kernels
@@ -213,9 +213,14 @@ def micro(cfg, bw: float, batch: int, ctx: int) -> list[dict]:
     hq = kernels.quantize(h, "nvfp4", per_row_global=True)
     frac = touched / E
 
+    from gemm_profile import graph_ms  # here, not at import: it imports this module
+
     def rec(name, fn, nbytes, **extra):
         try:
-            ms = events_ms(fn, 20, 3)
+            # replayed from a CUDA graph, as the decoder runs it: timed call by call, each launch's
+            # host-side wrapper (~0.1 ms, jittery) sat inside the events and moved the pick between runs
+            # by up to 1.6x for one config (two H100 runs, 2026-12-07)
+            ms = graph_ms(fn)
             r = {"kernel": name, "batch": batch, "ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
                  "roofline_frac": nbytes / bw / (ms * 1e-3), **extra}
         except Exception as e:  # keep going: report what failed
