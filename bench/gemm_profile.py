@@ -9,6 +9,9 @@ to Nsight Compute for the stall reasons.
 
     # timing sweep (device): prints one JSON line per (kind, format, batch, config), writes --out
     PYTHONPATH=src python3 bench/gemm_profile.py --sweep --out $OUT/gemm_sweep.json
+    # large batches over row tiles (what fp4_gemm.LARGE was read from; bench/results/gemm_large_h100.json)
+    PYTHONPATH=src python3 bench/gemm_profile.py --sweep --batches 1776,544 --bms 32,64,128 \
+        --fmts w4a4s,w4a16s --full w4a4s --workers 14 --out $OUT/gemm_large.json
     # one launch per (kind, format, batch) between cudaProfilerStart/Stop, for ncu:
     ncu --clock-control none --profile-from-start off --section WarpStateStats ... \\
         python3 bench/gemm_profile.py --ncu
@@ -234,7 +237,9 @@ def main(argv=None) -> int:
         full = set(args.full.split(","))
         bms = [int(b) for b in args.bms.split(",")] if args.bms else None
         if args.workers > 1:
-            precompile(fmts, SWEEP, args.workers, full, bms or [fg.pick_bm(b * 8 / 128) for b in batches])
+            cfg = get_config("qwen3-30b-a3b")
+            precompile(fmts, SWEEP, args.workers, full,
+                       bms or sorted({fg.pick_bm(b * cfg.top_k / cfg.num_experts) for b in batches}))
         sweep(batches, fmts, SWEEP, args.out, full, bms)
     if args.ncu:
         ncu_launches(batches, fmts)
