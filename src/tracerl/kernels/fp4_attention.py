@@ -180,21 +180,19 @@ def _decode_attn_kernel(
             kt, vt = _bf16_kv_load(kb, vb, t, t1, skt, BT, DH)
             m_i, l_i, acc = _bf16_tile(q, kt, vt, tmask, m_i, l_i, acc, sm_scale, F32)
         t += BT
+    if KV_FP4 and SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
+        acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
     if FINAL:  # one split: the output itself, o / l in BF16 (the merge's value at S = 1: its weight is exp(0))
-        prow = b64 * H + heads
+        orow = b64 * H + heads
         if KV_FP4:
-            if SWZ:
-                acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
-            optr = out_ptr + prow[:, None] * DH + 2 * j[None, :]
+            optr = out_ptr + orow[:, None] * DH + 2 * j[None, :]
             tl.store(optr, _bf16(acc_ev / l_i[:, None]), mask=gmask[:, None])
             tl.store(optr + 1, _bf16(acc_od / l_i[:, None]), mask=gmask[:, None])
         else:
-            tl.store(out_ptr + prow[:, None] * DH + d[None, :], _bf16(acc / l_i[:, None]), mask=gmask[:, None])
+            tl.store(out_ptr + orow[:, None] * DH + d[None, :], _bf16(acc / l_i[:, None]), mask=gmask[:, None])
     else:
         prow = ((b64 * H + heads) * S + sp)
         if KV_FP4:
-            if SWZ:  # swizzled V: c * s8 * 2**-9 (exact power of two)
-                acc_ev, acc_od = acc_ev * 512.0, acc_od * 512.0
             optr = po_ptr + prow[:, None] * DH + 2 * j[None, :]
             tl.store(optr, acc_ev, mask=gmask[:, None])
             tl.store(optr + 1, acc_od, mask=gmask[:, None])

@@ -241,13 +241,13 @@ def _mma_attn_kernel(
     acc = acc * 512.0  # swizzled V: c * s8 * 2**-9
     go = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     pv_ = gl.load(permv_ptr + gl.arange(0, 128, layout=gl.SliceLayout(1, MMA)))
+    orow = b64 * H + hk * G + gl.where(go < G, go, 0)  # (row, query head) of each output column
     if FINAL:  # one split: the BF16 output o / l (what the merge computes at S = 1)
-        orow = b64 * H + hk * G + gl.where(go < G, go, 0)
         lo = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
         gl.store(out_ptr + orow[None, :] * 128 + pv_[:, None], (acc / lo[None, :]).to(gl.bfloat16),
                  mask=(go < G)[None, :])
     else:
-        prow = (b64 * H + hk * G + gl.where(go < G, go, 0)) * S + sp
+        prow = orow * S + sp
         gl.store(po_ptr + prow[None, :] * 128 + pv_[:, None], acc, mask=(go < G)[None, :])
         gm = gl.arange(0, 8, layout=gl.SliceLayout(1, L8))
         mrow = (b64 * H + hk * G + gl.where(gm < G, gm, 0)) * S + sp

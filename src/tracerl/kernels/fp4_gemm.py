@@ -591,10 +591,13 @@ def gemm_config(kind: tuple[bool, bool, bool], rows_per_group: float) -> tuple[i
     for from_rows, config in LARGE.get(kind, ()):
         if rows_per_group > from_rows:
             chosen = config
-    if chosen is not None:
-        return chosen
+    return chosen if chosen is not None else (pick_bm(rows_per_group), *_tuned_tile(kind))
+
+
+def _tuned_tile(kind: tuple[bool, bool, bool]) -> tuple[int, int, int, int]:
+    """(BN, BK, num_warps, num_stages) of `kind` from TUNED, else the shipped (64, 128, 4, STAGES)."""
     bn, bk, nw, *ns = TUNED.get(kind, (64, 128, 4))
-    return (pick_bm(rows_per_group), bn, bk, nw, ns[0] if ns else STAGES)
+    return bn, bk, nw, ns[0] if ns else STAGES
 
 
 def grouped_gemm(
@@ -694,7 +697,7 @@ def grouped_gemm(
     if config is None:
         bm, bn, bk, nw, *ns = gemm_config(kind, rows_per_group)
         if tiles is not None and tiles[2] != bm:  # the caller's row tiles decide BM: TUNED's tiles at it
-            bm, (bn, bk, nw, *ns) = tiles[2], TUNED.get(kind, (64, 128, 4))
+            bm, (bn, bk, nw, *ns) = tiles[2], _tuned_tile(kind)
         bk = bk if K % bk == 0 else 64
     else:
         bm, bn, bk, nw, *ns = config
