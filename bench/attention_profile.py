@@ -40,9 +40,12 @@ PROGRAMS = [256, 512, 1024]  # the shipped default target: fp4_attention.SPLIT_P
 TILES = [(64, 4), (32, 4), (64, 2), (128, 8)]  # (block_t, num_warps); (64, 4) the shipped default
 MAXNREG = [None, 168]  # registers per thread: 168 lets 3 CTAs of 4 warps share an SM (128: spills, slower)
 MMA_PROGRAMS = [256, 512, 1024, 2048]  # fp4_attention_mma: one warp a program (more splits: more partials)
-MMA_TILES = [16, 32]  # its positions a tile (a register tile of 64 spills)
-# its register caps: 168 registers (BT=16, uncapped) hold 12 one-warp programs an SM; 128 would hold 16
-MMA_MAXNREG = [None, 128]
+MMA_KERNELS = list(fa.MMA_KERNELS)  # its two orientations ("mma-pos" only where its output agrees: rel_to_default)
+# positions a tile (a register tile of 64 spills; "mma-pos" at 32 takes 234 registers: 8 programs an SM)
+MMA_TILES = {"mma": [16, 32], "mma-pos": [16]}
+# register caps: "mma" at BT=16 takes 167 registers (12 one-warp programs an SM; 128 spilled and lost on
+# the H100); "mma-pos" 154, and 144 without spills (14 programs an SM; tests/hopper_compile.py --regs)
+MMA_MAXNREG = {"mma": [None], "mma-pos": [None, 144]}
 FORMATS = ["bf16", "fp4-swizzled"]  # the decoder's layouts; "fp4" (natural) on request
 ALL_FORMATS = ["bf16", "fp4", "fp4-swizzled"]
 
@@ -89,9 +92,11 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
           programs_list: list[int] | None = None, tiles: list[tuple[int, int]] | None = None,
           maxnregs: list[int | None] | None = None, words_list: list[bool] | None = None,
           bw: float | None = None, mma_tiles: list[int] | None = None,
-          mma_programs: list[int] | None = None, mma_maxnregs: list[int | None] | None = None) -> list[dict]:
+          mma_programs: list[int] | None = None, mma_maxnregs: list[int | None] | None = None,
+          mma_kernels: list[str] | None = None) -> list[dict]:
     """Time every (format, point, programs, tile, register cap, word decode), and on a swizzled cache
-    the mma kernel at every (mma_programs, mma_tiles) (default MMA_*; [] for none); print one JSON line
+    each of the mma kernels at every (mma_programs, mma_tiles, mma_maxnregs) (default MMA_*; [] tiles for
+    none); print one JSON line
     each, the best per (format, point) last, and write them all to `out` (if given). bw: the copy
     bandwidth (bytes/s) the roofline fractions use; measured here if None."""
     if bw is None:
@@ -107,10 +112,11 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
             cands = [(p, t, n, w, "triton") for p, t, n, w in itertools.product(
                 programs_list or PROGRAMS, tiles or TILES, maxnregs or MAXNREG,
                 wl if fmt == "fp4-swizzled" else (False,))]
-            if fmt == "fp4-swizzled":  # the mma kernel: one warp a program, so more programs a launch
-                cands += [(p, (bt, 1), n, True, "mma") for p, bt, n in itertools.product(
-                    mma_programs or MMA_PROGRAMS, MMA_TILES if mma_tiles is None else mma_tiles,
-                    mma_maxnregs or MMA_MAXNREG)]
+            if fmt == "fp4-swizzled":  # the mma kernels: one warp a program, so more programs a launch
+                for kern in MMA_KERNELS if mma_kernels is None else mma_kernels:
+                    cands += [(p, (bt, 1), n, True, kern) for p, bt, n in itertools.product(
+                        mma_programs or MMA_PROGRAMS, MMA_TILES[kern] if mma_tiles is None else mma_tiles,
+                        mma_maxnregs or MMA_MAXNREG[kern])]
             for programs, tile, nreg, words, kernel in cands:
                 fn = cache.call(fmt, programs, tile, nreg, words=words, kernel=kernel)
                 try:
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mma-tiles", default=None, help="mma kernel tiles, e.g. 16,32 (default: MMA_TILES; '' none)")
     ap.add_argument("--mma-programs", default="", help="mma kernel program targets (default: MMA_PROGRAMS)")
     ap.add_argument("--mma-maxnreg", default="", help="mma kernel register caps, 0 = none (default: MMA_MAXNREG)")
+    ap.add_argument("--mma-kernels", default=None, help=f"some of {','.join(fa.MMA_KERNELS)} (default: both)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
               [n or None for n in ints(args.maxnreg)] or None, [bool(w) for w in ints(args.words)] or None,
               mma_tiles=None if args.mma_tiles is None else ints(args.mma_tiles),
               mma_programs=ints(args.mma_programs) or None,
-              mma_maxnregs=[n or None for n in ints(args.mma_maxnreg)] or None)
+              mma_maxnregs=[n or None for n in ints(args.mma_maxnreg)] or None,
+              mma_kernels=None if args.mma_kernels is None else [k for k in args.mma_kernels.split(",") if k])
     if args.ncu:  # the first of --programs / --tiles / --words, if given
         tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",") if t]
         ncu_launches(points, formats, (ints(args.programs) or [None])[0], tiles[0] if tiles else (64, 4),

@@ -19,6 +19,7 @@ Run as a script (a fresh process: the module-level driver swap must not leak int
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 
@@ -200,10 +201,14 @@ def compile_variants(log: list, regs: bool = False) -> None:
             from tracerl.kernels import fp4_swizzle as fs
 
             sc, ss = fs.swizzle_blocks(kq.codes, kq.scales.view(torch.uint8))
-            for bt in (16, 32):
-                fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, 32, bt)
+            for bt, rows in itertools.product((16, 32), fm.ROWS):
+                fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, 32, bt,
+                          rows=rows)
                 fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, L, bt, S=1,
-                          out=torch.empty(B, H * Dh, dtype=torch.bfloat16))
+                          out=torch.empty(B, H * Dh, dtype=torch.bfloat16), rows=rows)
+            # the register cap the tuner tries on the positions kernel (bench/attention_profile.MMA_MAXNREG)
+            fm.launch(q, sc, ss, kq.global_scale, sc, ss, kq.global_scale, lens, po, pml, 0.088, L, 16, S=1,
+                      out=torch.empty(B, H * Dh, dtype=torch.bfloat16), rows="positions", maxnreg=144)
             from tracerl.model.layers import rope_cos_sin
 
             qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -494,8 +495,14 @@ def test_effective_attention_config(monkeypatch):
     assert fa.effective_config(True, 63) == fa.DEFAULT_CONFIG and fa.effective_config(False, 512) == fa.DEFAULT_CONFIG
     assert fa.effective_config(True, 64) == fa.MMA_DEFAULT
     assert fa.effective_config(True, 64, mma_ok=False) == fa.DEFAULT_CONFIG
-    with pytest.raises(ValueError, match="choose 'triton' or 'mma'"):
+    with pytest.raises(ValueError, match="choose one of"):
         fa.effective_config(True, 16, kernel="cuda")
+    # the positions mma kernel: forced, it takes the tuned mma config's launch parameters, else MMA_DEFAULT's
+    assert fa.effective_config(True, 64, kernel="mma-pos") == fa.MMA_DEFAULT._replace(kernel="mma-pos")
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (64, large))
+    assert fa.effective_config(True, 64, kernel="mma-pos") == large._replace(kernel="mma-pos")
+    assert fa.effective_config(True, 64, kernel="mma-pos", mma_ok=False) == fa.DEFAULT_CONFIG
+    assert fa.AttentionConfig(16, 1, kernel="mma-pos").split_block == 32
     assert not fa.mma_usable(True, 32, 4, 128, True, "cpu")  # Gluon has no interpreter
 
 
@@ -645,9 +652,142 @@ def test_mma_attention_permutations_are_bijections():
     assert all(vp[dd] // 16 == dd % 8 for dd in range(fm.DH))
 
 
-def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_t=16) -> None:
-    """fp4_attention_mma (K/V decoded into the MMA fragments) against the Triton kernel on the same
-    swizzled cache and against the reference: the same products summed in another order."""
+def _emulate_mma_positions(q, lens, sw_k, sw_v, split_len: int, BT: int = 16, p_bf16: bool = True):
+    """fp4_attention_mma's positions kernel ("mma-pos") op for op in torch, on the logical tensors its
+    Gluon code builds (reshape / permute / split / join, the word decode from fp4_swizzle's own register
+    arithmetic, prmt as byte selects): the partials (o, m, l) per (row, query head, split) as it stores
+    them. Only movmatrix is taken as what it is documented to do (P arrives as the PV dot's B operand
+    unchanged); the GPU tests check that and the rest on the hardware. p_bf16 False: P kept exact."""
+    from tracerl.kernels import fp4_attention_mma as fm
+
+    B, H, Dh = q.shape
+    kc, ks, kg = sw_k
+    vc, vs, vg = sw_v
+    T, Hkv = kc.shape[1], kc.shape[2]
+    G = H // Hkv
+    S_ = -(-T // split_len)
+    kperm, vperm = torch.tensor(fm.k_perm()), torch.tensor(fm.v_pair_perm())
+
+    def words(c):  # int64 words (B, T, Hkv, 16), little-endian as the kernel's int32 loads
+        c = c.to(torch.int64).reshape(*c.shape[:-1], 16, 4)
+        return c[..., 0] | (c[..., 1] << 8) | (c[..., 2] << 16) | (c[..., 3] << 24)
+
+    def scale2(sb):  # (.., 8) scale bytes -> per-word BF16 bit pairs (.., 16), as _load_tile builds them
+        bits = sb.to(torch.int64) * 16 + 30080
+        return (bits | (bits << 16)).repeat_interleave(2, dim=-1)
+
+    def bf16x2(reg, scale_pair):  # the PTX's bf16x2 multiply of one register: (lo, hi) float64
+        def half(x):
+            return ((x & 0xFFFF).to(torch.int32) << 16).view(torch.float32).double()
+        return torch.stack([half(reg) * half(scale_pair), half(reg >> 16) * half(scale_pair >> 16)], -1)
+
+    def decode(w, s2):  # (..., 8) values of each word: register j // 2, half j % 2 (the pack=8 order)
+        regs = S._regs(w)
+        return torch.stack([bf16x2(r, s2) for r in regs], -2).flatten(-2)
+
+    Kw, Vw, Ks2, Vs2 = words(kc), words(vc), scale2(ks), scale2(vs)
+    po = torch.zeros(B, H, S_, Dh, dtype=torch.float64)
+    pml = torch.zeros(B, H, S_, 2, dtype=torch.float64)
+    log2e = 1.4426950408889634
+    for b in range(B):
+        L = int(lens[b])
+        for hk in range(Hkv):
+            qt = torch.zeros(Dh, 8, dtype=torch.float64)
+            qt[:, :G] = q[b, hk * G:(hk + 1) * G, kperm].double().T
+            for sp in range(S_):
+                t0, t1 = sp * split_len, min(sp * split_len + split_len, L)
+                m = torch.full((8,), float("-inf"), dtype=torch.float64)
+                lacc = torch.zeros(BT, 8, dtype=torch.float64)
+                acc = torch.zeros(Dh, 8, dtype=torch.float64)
+                t = t0
+                while t < t1:  # tile pairs: a pair's second tile past t1 is all masked
+                    for tt in (t, t + BT):
+                        pos = torch.arange(tt, tt + BT)
+                        ok = pos < t1
+                        pc = pos.clamp(max=T - 1)
+                        zero = ~ok[:, None]
+                        kw, vw = Kw[b, pc, hk].masked_fill(zero, 0), Vw[b, pc, hk].masked_fill(zero, 0)
+                        ks2, vs2 = Ks2[b, pc, hk].masked_fill(zero, 0), Vs2[b, pc, hk].masked_fill(zero, 0)
+                        gk = kg[b, pc, hk].reshape(BT).double().masked_fill(~ok, 1.0)
+                        gv = vg[b, pc, hk].reshape(BT).double().masked_fill(~ok, 1.0)
+                        kd = decode(kw, ks2).reshape(BT, 4, 4, 4, 2).permute(0, 2, 3, 1, 4).reshape(BT, Dh)
+                        s = kd @ qt
+                        s = torch.where(ok[:, None], s * (1 / math.sqrt(Dh) * 512.0 * log2e / gk)[:, None],
+                                        float("-inf"))
+                        m_new = torch.maximum(m, s.max(0).values)
+                        alpha = torch.exp2(m - m_new)
+                        p = torch.exp2(s - m_new[None, :])
+                        lacc = lacc * alpha[None, :] + p
+                        pt = p / gv[:, None]
+                        pt = pt.float().bfloat16().double() if p_bf16 else pt
+                        # _decode_pairs
+                        we, wo = vw[0::2], vw[1::2]
+                        se, so = vs2[0::2], vs2[1::2]
+                        sp2 = (se & 0xFFFF) | (so & 0xFFFF0000)
+                        lo = (we & 0xFFFF) | ((wo & 0xFFFF) << 16)  # prmt 0x5410
+                        hi = ((we >> 16) & 0xFFFF) | (wo & 0xFFFF0000)  # prmt 0x7632
+                        w4 = torch.stack([lo, hi], -1)  # (BT/2, 16, 2)
+                        vd = decode(w4, sp2[..., None].expand_as(w4)).reshape(BT // 2, 8, 2, 2, 4, 2)
+                        vt = vd.permute(4, 3, 2, 1, 0, 5).reshape(Dh, BT)
+                        acc = acc * alpha[None, :] + vt @ pt
+                        m = m_new
+                    t += 2 * BT
+                rows = hk * G + torch.arange(G)
+                tmp = torch.zeros(G, Dh, dtype=torch.float64)
+                tmp[:, vperm] = (acc * 512.0).T[:G]
+                po[b, rows, sp] = tmp
+                pml[b, rows, sp, 0] = m[:G] * math.log(2)
+                pml[b, rows, sp, 1] = lacc.sum(0)[:G]
+    return po, pml
+
+
+def _merge_partials(po, pml):
+    """What fp4_attention's `_merge_kernel` computes from the partials, in float64: (B, H * Dh)."""
+    m, l = pml[..., 0], pml[..., 1]
+    mx = m.max(-1, keepdim=True).values
+    w = torch.where(torch.isfinite(m), torch.exp(m - mx), torch.zeros_like(m))
+    o = (po * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
+    return o.reshape(po.shape[0], -1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("H,Hkv,T,split_len", [(32, 4, 100, 64), (16, 4, 70, 32), (12, 2, 40, 1024)])
+def test_mma_positions_index_algebra(H, Hkv, T, split_len):
+    """The positions kernel's index algebra (K as the A operand through k_perm, V re-paired by position
+    and stored through v_pair_perm, the log2-unit softmax, the partial sums, m back in natural-log
+    units) emulated op for op on CPU: the merged partials are the reference attention."""
+    from tracerl.kernels import fp4_attention_mma as fm
+
+    vp = fm.v_pair_perm()
+    assert sorted(vp) == list(range(fm.DH))
+    # output-row bits 0-2 (the A fragments' lane rows) pick the word pair a lane group reads, as v_layout's
+    assert all(vp[r] // 16 == r % 8 for r in range(fm.DH))
+    g = torch.Generator().manual_seed(4)
+    B = 3
+    q = torch.randn(B, H, fm.DH, generator=g).bfloat16()
+    kv = torch.randn(2, B, T, Hkv, fm.DH, generator=g) * torch.rand(2, B, T, Hkv, 1, generator=g) * 4
+    lens = torch.tensor([1, T // 2 + 5, T], dtype=torch.int32)
+    quant = fp4.quantize(kv, "nvfp4", per_row_global=True)
+    sc, ss = S.swizzle_blocks(quant.codes, quant.scales.view(torch.uint8))
+    sw = [(sc[i], ss[i], quant.global_scale[i]) for i in (0, 1)]
+    nat = [(quant.codes[i], quant.scales[i].view(torch.uint8), quant.global_scale[i]) for i in (0, 1)]
+    r = ref.decode_attention_reference(q, lens, k_fp4=nat[0], v_fp4=nat[1])
+    po, pml = _emulate_mma_positions(q, lens, sw[0], sw[1], split_len)
+    o = _merge_partials(po, pml)
+    assert _rel(o, r) < 8e-3, _rel(o, r)  # P in BF16, as the kernel rounds it
+    # with exact P the emulation is the reference to float64 rounding: every index lands where it should
+    exact = _merge_partials(*_emulate_mma_positions(q, lens, sw[0], sw[1], split_len, p_bf16=False))
+    # (the reference's float32 c * s8 / gs rounds at 6e-8: divide by the global scale in float64 here)
+    k64, v64 = (ref.fp4_rows(c, sb, torch.ones_like(gs)).double() / gs.double() for c, sb, gs in nat)
+    r64 = ref.decode_attention_reference(q, lens, k=k64, v=v64)
+    assert _rel(exact, r64) < 1e-12, _rel(exact, r64)
+
+
+def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_t=16, kernel="mma",
+                        maxnreg=None) -> None:
+    """fp4_attention_mma (K/V decoded into the MMA fragments; `kernel` one of fa.MMA_KERNELS) against the
+    Triton kernel on the same swizzled cache and against the reference: the same products summed in
+    another order."""
     from tracerl.kernels import fp4_attention_mma as fm
 
     Dh = fm.DH
@@ -665,41 +805,51 @@ def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_
     t = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, swizzled=True, words=True,
                             kernel="triton", block_t=32)
     o = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, swizzled=True,
-                            kernel="mma", block_t=block_t)
+                            kernel=kernel, block_t=block_t, maxnreg=maxnreg)
     assert bool(torch.isfinite(o).all())
     assert _rel(o, t) < 2e-3, ("mma vs triton", _rel(o, t))
     assert _rel(o, r) < 8e-3, ("mma vs reference", _rel(o, r))
     # rows are independent: a row alone gives the same bits as in the batch
     o1 = fa.decode_attention(q[3:4], lens[3:4], k_fp4=tuple(x[3:4] for x in sw[0]),
                              v_fp4=tuple(x[3:4] for x in sw[1]),
-                             split_len=split_len, swizzled=True, kernel="mma", block_t=block_t)
+                             split_len=split_len, swizzled=True, kernel=kernel, block_t=block_t, maxnreg=maxnreg)
     assert torch.equal(o1, o[3:4])
-    check_single_split_output(dev, q, lens, [dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, kernel="mma",
-                              block_t=block_t)
+    check_single_split_output(dev, q, lens, [dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, kernel=kernel,
+                              block_t=block_t, maxnreg=maxnreg)
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "mma-pos"])
 @pytest.mark.parametrize("block_t,split_len", [(16, 160), (32, 96), (16, 32), (32, 4096)])
-def test_mma_attention_gpu(block_t, split_len):
-    check_mma_attention("cuda", split_len=split_len, block_t=block_t)
+def test_mma_attention_gpu(block_t, split_len, kernel):
+    check_mma_attention("cuda", split_len=split_len, block_t=block_t, kernel=kernel)
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "mma-pos"])
 @pytest.mark.parametrize("H,Hkv", [(16, 4), (8, 4), (12, 2)])
-def test_mma_attention_gpu_group_sizes(H, Hkv):
-    check_mma_attention("cuda", B=3, H=H, Hkv=Hkv, T=300, split_len=64)
+def test_mma_attention_gpu_group_sizes(H, Hkv, kernel):
+    check_mma_attention("cuda", B=3, H=H, Hkv=Hkv, T=300, split_len=64, kernel=kernel)
 
 
 @gpu
 @pytest.mark.gpu
-def test_decoder_gpu_with_mma_attention(monkeypatch):
-    """The decoder with the mma attention tuned in: a head-dim-128 model against the engine's CPU path."""
+def test_mma_positions_gpu_register_cap():
+    """The positions kernel at the register cap the tuner tries on it (144: no spills) passes the same checks."""
+    check_mma_attention("cuda", split_len=160, kernel="mma-pos", maxnreg=144)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "mma-pos"])
+def test_decoder_gpu_with_mma_attention(monkeypatch, kernel):
+    """The decoder with an mma attention tuned in: a head-dim-128 model against the engine's CPU path."""
     from tracerl import model as M
     from tracerl.rollout.gpu import DecoderWeights, GPUDecoder
 
-    monkeypatch.setitem(fa.TUNED, True, fa.AttentionConfig(16, 1, 1024, None, True, "mma"))
+    monkeypatch.setitem(fa.TUNED, True, fa.AttentionConfig(16, 1, 1024, None, True, kernel))
     m = M.build("tiny", seed=0, head_dim=128)
     prompts = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6))
     recipe = qat.Recipe("w4a4kv4")

@@ -223,9 +223,10 @@ class AttentionConfig(NamedTuple):
     split aims at (`split_len_for`), a register cap per thread (None: the compiler's choice), and
     whether a swizzled FP4 cache is decoded by whole 32-bit words (`fp4_gemm._swz_word_dequant`:
     the PTX path; the same values bit for bit, fewer instructions and registers than by bytes), and
-    which kernel runs a swizzled FP4 cache: "triton" (`_decode_attn_kernel`) or "mma"
-    (`fp4_attention_mma`: one warp a program, K/V decoded straight into the MMA fragments; num_warps,
-    words do not apply to it; maxnreg caps its registers as the Triton kernel's)."""
+    which kernel runs a swizzled FP4 cache: "triton" (`_decode_attn_kernel`), "mma" or "mma-pos"
+    (`fp4_attention_mma`: one warp a program, K/V decoded straight into the MMA fragments, with the query
+    heads or the positions on the QK dot's MMA rows: MMA_KERNELS; num_warps, words do not apply to them;
+    maxnreg caps their registers as the Triton kernel's)."""
 
     block_t: int = 64
     num_warps: int = 4
@@ -237,7 +238,7 @@ class AttentionConfig(NamedTuple):
     @property
     def split_block(self) -> int:
         """Positions the split rounds to: the mma kernel walks its split two tiles at a time."""
-        return self.block_t * (2 if self.kernel == "mma" else 1)
+        return self.block_t * (2 if self.kernel in MMA_KERNELS else 1)
 
 
 # The split runs as a `while` loop with the next tile prefetched in registers. A compiler-pipelined
@@ -260,6 +261,12 @@ SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
 TUNED: dict[bool, AttentionConfig] = {}
 TUNED_LARGE: dict[bool, tuple[int, AttentionConfig] | None] = {}
 
+# AttentionConfig.kernel -> fp4_attention_mma.launch(rows=): "mma" has run on the H100 (tests, benches) and is
+# the default; "mma-pos" (positions on the MMA rows: ~25% fewer instructions a tile in the sm_90 SASS,
+# 144 registers without spills) is compiled for sm_90 but not yet run on a GPU, so only a tuner that
+# checks its output against the default kernel's picks it (bench/attention_profile.py)
+MMA_KERNELS = {"mma": "heads", "mma-pos": "positions"}
+KERNELS = ("triton", *MMA_KERNELS)
 MMA_DEFAULT = AttentionConfig(16, 1, 1024, None, True, "mma")  # the mma kernel's best on the H100 (RESULTS.md)
 DEFAULT_LARGE: dict[bool, tuple[int, AttentionConfig]] = {True: (64, MMA_DEFAULT)}
 
@@ -286,14 +293,18 @@ def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok
     config's one warp."""
     tuned = attention_config(fp4_kv, batch)
     kernel = kernel or tuned.kernel
-    if kernel not in ("triton", "mma"):
-        raise ValueError(f"kernel {kernel!r}: choose 'triton' or 'mma'")
-    if kernel == "mma" and not mma_ok:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r}: choose one of {KERNELS}")
+    if kernel in MMA_KERNELS and not mma_ok:
         kernel = "triton"
-    if kernel != tuned.kernel:  # the tuned config belongs to the other kernel
-        tuned = MMA_DEFAULT if kernel == "mma" else TUNED.get(fp4_kv, DEFAULT_CONFIG)
-        if tuned.kernel != kernel:
-            tuned = DEFAULT_CONFIG
+    if kernel != tuned.kernel:  # the tuned config belongs to another kernel
+        if kernel in MMA_KERNELS:  # the two mma kernels share launch parameters
+            tuned = tuned._replace(kernel=kernel) if tuned.kernel in MMA_KERNELS else \
+                MMA_DEFAULT._replace(kernel=kernel)
+        else:
+            tuned = TUNED.get(fp4_kv, DEFAULT_CONFIG)
+            if tuned.kernel != kernel:
+                tuned = DEFAULT_CONFIG
     return tuned
 
 
@@ -333,8 +344,8 @@ def decode_attention(
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length and the tuned
     config at this batch (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
-    the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one. kernel: "triton" or
-    "mma" (AttentionConfig.kernel; "mma" where `fp4_attention_mma.supported`, else "triton").
+    the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one. kernel: one of KERNELS
+    (AttentionConfig.kernel; the mma ones where `fp4_attention_mma.supported`, else "triton").
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
@@ -368,7 +379,7 @@ def decode_attention(
     G = H // Hkv
     if q.stride(-1) != 1 or q.stride(-2) != Dh:
         q = q.contiguous()
-    split_len = split_len or split_len_for(T, B, Hkv, block_t * (2 if kernel == "mma" else 1), programs)
+    split_len = split_len or split_len_for(T, B, Hkv, block_t * (2 if kernel in MMA_KERNELS else 1), programs)
     S = triton.cdiv(T, split_len)
     if out is None:
         out = torch.empty(B, H * Dh, device=q.device, dtype=torch.bfloat16)
@@ -380,12 +391,12 @@ def decode_attention(
     pb, ph, ps = (1, 1, 1) if final else (B, H, S)  # (final: the partials' pointers are never read)
     po = torch.empty(pb, ph, ps, Dh, device=q.device, dtype=torch.float32)
     pml = torch.empty(pb, ph, ps, 2, device=q.device, dtype=torch.float32)
-    if kernel == "mma":
+    if kernel in MMA_KERNELS:
         if kc.data_ptr() % 16 or vc.data_ptr() % 16 or any(st % 16 for st in kc.stride()[:-1]):
             raise ValueError("the mma attention kernel loads code rows as 16-byte vectors: the FP4 cache's "
                              "codes must be 16-byte aligned (FP4KVCache's are)")
         fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t,
-                                 S=S, out=out if final else None, maxnreg=maxnreg)
+                                 S=S, out=out if final else None, maxnreg=maxnreg, rows=MMA_KERNELS[kernel])
         if not final:
             _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
         return out
