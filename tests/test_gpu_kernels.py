@@ -271,12 +271,12 @@ def check_kv_store_swizzled(dev: str, B=8, Hkv=2, Dh=128):
     assert torch.equal(cache.gscale[:, 1][:, rows, pos.long()].cpu(), gs)
 
 
-def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10):
+def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10, qk_norm=True):
     from tracerl.model.layers import rope_cos_sin
 
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(B, (H + 2 * Hkv) * Dh, generator=g).bfloat16().to(dev)
-    normw = (1 + 0.1 * torch.randn(2, Dh, generator=g)).bfloat16().to(dev)
+    normw = (1 + 0.1 * torch.randn(2, Dh, generator=g)).bfloat16().to(dev) if qk_norm else None
     cos, sin = rope_cos_sin(torch.arange(T, device=dev)[None], Dh, 1e6, torch.bfloat16)
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     pos = torch.tensor([0, 4, 9][:B], dtype=torch.int32, device=dev)
@@ -289,7 +289,12 @@ def check_qkv_post_and_store(dev: str, B=3, H=4, Hkv=2, Dh=32, T=10):
     # RoPE's x*cos + rot(x)*sin can round either way; where the sum cancels that is many ulps of a
     # tiny result, so the bound is relative to the vectors (on the CPU interpreter they agree exactly)
     assert _rel(q, qr) < 4e-3 and _rel(kc[rows, pos.long()], kr) < 4e-3
+    if dev == "cpu":
+        assert torch.equal(q, qr) and torch.equal(kc[rows, pos.long()], kr)
     assert torch.equal(vc[rows, pos.long()], vr)
+    assert int(kc.count_nonzero()) == int(kr.count_nonzero()) and int(vc.count_nonzero()) == int(vr.count_nonzero())
+    if H != 4 or not qk_norm:
+        return
     # the FP4 store: quantized new K/V land at (row, pos[row]) bit for bit
     from tracerl.rollout.kvcache import FP4KVCache
 
@@ -335,6 +340,10 @@ def check_all(dev: str) -> None:
     check_route_dispatch(dev)
     check_attention(dev)
     check_qkv_post_and_store(dev)
+    # head counts that are not powers of two (masked head rows), no q/k norm, the 30B model's heads
+    check_qkv_post_and_store(dev, H=6, Hkv=3)
+    check_qkv_post_and_store(dev, qk_norm=False)
+    check_qkv_post_and_store(dev, B=2, H=32, Hkv=4, Dh=128)
     check_kv_store_swizzled(dev)
     check_norm_and_sample(dev)
 
