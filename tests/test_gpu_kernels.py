@@ -760,8 +760,9 @@ def _merge_partials(po, pml):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("H,Hkv,T,split_len", [(32, 4, 100, 64), (16, 4, 70, 32), (12, 2, 40, 1024)])
-def test_mma_positions_index_algebra(H, Hkv, T, split_len):
+@pytest.mark.parametrize("H,Hkv,T,split_len,BT", [(32, 4, 100, 64, 16), (16, 4, 70, 32, 16), (12, 2, 40, 1024, 16),
+                                                   (32, 4, 150, 128, 32)])
+def test_mma_positions_index_algebra(H, Hkv, T, split_len, BT):
     """The positions kernel's index algebra (K as the A operand through k_perm, V re-paired by position
     and stored through v_pair_perm, the log2-unit softmax, the partial sums, m back in natural-log
     units) emulated op for op on CPU: the merged partials are the reference attention."""
@@ -781,11 +782,11 @@ def test_mma_positions_index_algebra(H, Hkv, T, split_len):
     sw = [(sc[i], ss[i], quant.global_scale[i]) for i in (0, 1)]
     nat = [(quant.codes[i], quant.scales[i].view(torch.uint8), quant.global_scale[i]) for i in (0, 1)]
     r = ref.decode_attention_reference(q, lens, k_fp4=nat[0], v_fp4=nat[1])
-    po, pml = _emulate_mma_positions(q, lens, sw[0], sw[1], split_len)
+    po, pml = _emulate_mma_positions(q, lens, sw[0], sw[1], split_len, BT)
     o = _merge_partials(po, pml)
     assert _rel(o, r) < 8e-3, _rel(o, r)  # P in BF16, as the kernel rounds it
     # with exact P the emulation is the reference to float64 rounding: every index lands where it should
-    exact = _merge_partials(*_emulate_mma_positions(q, lens, sw[0], sw[1], split_len, p_bf16=False))
+    exact = _merge_partials(*_emulate_mma_positions(q, lens, sw[0], sw[1], split_len, BT, p_bf16=False))
     # (the reference's float32 c * s8 / gs rounds at 6e-8: divide by the global scale in float64 here)
     k64, v64 = (ref.fp4_rows(c, sb, torch.ones_like(gs)).double() / gs.double() for c, sb, gs in nat)
     r64 = ref.decode_attention_reference(q, lens, k=k64, v=v64)
