@@ -147,6 +147,7 @@ def compile_variants(log: list, regs: bool = False) -> None:
                             continue  # grouped_gemm refuses swizzled weights as the dot's left operand
                         # swizzled weights (fp4_swizzle.py), and w4a4 with its activations dequantized in the loop
                         fg.grouped_gemm(h, s_dn, offs, dst_idx=pair, gate=gs, out=out)
+                        fg.grouped_gemm(h, s_dn, offs, dst_idx=pair, out=out.bfloat16())
                         fg.grouped_gemm(x, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
                         fg.DEQUANT_A = False
                         fg.grouped_gemm(xq, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
@@ -159,8 +160,8 @@ def compile_variants(log: list, regs: bool = False) -> None:
                         (x if kind[2] else h)
                     if kind[2]:
                         fg.grouped_gemm(a, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True, config=c)
-                    else:
-                        fg.grouped_gemm(a, s_dn, offs, dst_idx=pair, gate=gs, out=out, config=c)
+                    else:  # as the decoder calls it: the BF16 outputs, gated by the residual kernel
+                        fg.grouped_gemm(a, s_dn, offs, dst_idx=pair, out=out.bfloat16(), config=c)
             # a per-kind choice (what bench/rollout.py --micro stores) overrides the module flags
             fg.PREFETCH = fg.SWAP_AB = fg.TMA_W = False
             fg.KERNEL_VARIANT[(True, True, True)] = (False, True, True)
@@ -225,6 +226,8 @@ def compile_variants(log: list, regs: bool = False) -> None:
             xs = torch.randn(B, D, generator=g).bfloat16()
             gpu.add_rmsnorm(xs.clone(), torch.randn(B, 3, D, generator=g), torch.ones(D, dtype=torch.bfloat16), 1e-6,
                             torch.empty_like(xs))
+            gpu.add_rmsnorm(xs.clone(), torch.randn(B, 8, D, generator=g).bfloat16(), torch.ones(D, dtype=torch.bfloat16),
+                            1e-6, torch.empty_like(xs), gates=torch.rand(B, 8, generator=g))
             logits = torch.randn(B, 300, generator=g)
             for temp in (0.0, 0.7):
                 gpu.sample_tokens(logits, temp, torch.zeros(1, dtype=torch.long), torch.empty(B, dtype=torch.long),

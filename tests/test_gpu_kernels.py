@@ -100,6 +100,14 @@ def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
         fg.grouped_gemm_reference(h, w, offs, dst_idx=pair, gate=gs, out=ref)
         assert not out.isnan().any()
         assert _rel(out, ref) < 4e-3
+        # without the gate: the BF16 outputs, whose float32 products with the gates are `out` bit for bit
+        out_b = torch.full((N, D), float("nan"), device=dev, dtype=torch.bfloat16)
+        fg.grouped_gemm(h, w, offs, dst_idx=pair, out=out_b)
+        g_pair = torch.empty(N, device=dev)
+        g_pair[pair.long()] = gs
+        assert torch.equal(out_b.float() * g_pair[:, None], out)
+        with pytest.raises(ValueError, match="scatter writes into"):
+            fg.grouped_gemm(h, w, offs, dst_idx=pair, out=out)  # float32 out without a gate
     wl = fp4.FP4Tensor(q_dn.codes[0], q_dn.scales[0], q_dn.global_scale[0].reshape(1), "nvfp4", torch.Size((D, F)))
     y = fg.fp4_linear(h, wl, out_f32=True)
     r = h.double() @ (fg.exact_values(wl).double() / wl.global_scale.double()).T
@@ -136,6 +144,10 @@ def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
             outs = [torch.zeros(N, D, device=dev) for _ in range(2)]
             for w, out in zip((q_dn, s_dn), outs):
                 fg.grouped_gemm(h, w, offs, dst_idx=pair, gate=gs, out=out)
+            assert torch.equal(*outs)
+            outs = [torch.zeros(N, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+            for w, out in zip((q_dn, s_dn), outs):
+                fg.grouped_gemm(h, w, offs, dst_idx=pair, out=out)
             assert torch.equal(*outs)
         if fg.USE_ASM:
             fg.SWAP_AB, fg.TMA_W = True, False
@@ -321,6 +333,16 @@ def check_norm_and_sample(dev: str, B=4, D=96, V=300):
     hf = xr.float()
     hr = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
     assert torch.equal(x1, xr) and _within_ulps(h, hr, 1)
+    # BF16 expert outputs gated here: the same float32 products as gated outputs, the same bits out
+    yb, gates = y.bfloat16(), torch.rand(B, 3, generator=g).to(dev)
+    x2, h2, x3, h3 = x.clone(), torch.empty_like(x), x.clone(), torch.empty_like(x)
+    gpu.add_rmsnorm(x2, yb, w, 1e-6, h2, gates=gates)
+    gpu.add_rmsnorm(x3, yb.float() * gates[..., None], w, 1e-6, h3)
+    assert torch.equal(x2, x3) and torch.equal(h2, h3) and not torch.equal(x2, x1)
+    with pytest.raises(ValueError, match="gates go with BF16"):
+        gpu.add_rmsnorm(x.clone(), y, w, 1e-6, h, gates=gates)
+    with pytest.raises(ValueError, match="without gates must be float32"):
+        gpu.add_rmsnorm(x.clone(), yb, w, 1e-6, h)
     logits = torch.randn(B, V, generator=g).to(dev)
     tok = torch.empty(B, dtype=torch.long, device=dev)
     lp = torch.empty(B, device=dev)

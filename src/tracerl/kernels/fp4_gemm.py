@@ -388,7 +388,7 @@ def _grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
-    SWAP: tl.constexpr, TMA: tl.constexpr, SWZ: tl.constexpr, A_GS: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr, SWZ: tl.constexpr, A_GS: tl.constexpr, GATE: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
@@ -487,9 +487,10 @@ def _grouped_gemm_kernel(
             u = _bf16(acc2 * scale[:, None]).to(tl.float32)
             sg = _bf16(g / (1.0 + tl.exp(-g))).to(tl.float32)
             y = sg * u
-        elif SCATTER:
-            gw = tl.load(gate_ptr + rows, mask=rmask, other=0.0)
-            y = _bf16(acc).to(tl.float32) * gw[:, None]
+        elif SCATTER:  # the expert output in BF16 (the model's rounding), times its gate in float32
+            y = _bf16(acc).to(tl.float32)
+            if GATE:
+                y = y * tl.load(gate_ptr + rows, mask=rmask, other=0.0)[:, None]
         else:
             y = acc
         if SCATTER:
@@ -622,7 +623,9 @@ def grouped_gemm(
     a: BF16 (R, K) or an NVFP4 FP4Tensor with per-row global scales (R, K). w: BF16 (E, O, K) or
     an NVFP4 FP4Tensor (E, O, K) with global scale (E,) / (E, 1, 1). offsets: int32 (E,).
     n_rows: sorted rows N (default R, or len(row_idx)). Returns (N, O) (swiglu: (N, O // 2)), or
-    with dst_idx/gate the float32 `out` it scattered into. tiles: (expert, first row, BM) from
+    with dst_idx the `out` it scattered row n into at row dst_idx[n]: with gate (N,) float32 the float32
+    BF16(y) * gate, without the BF16 y (half the bytes, for a consumer that applies the gates:
+    `rollout.gpu.add_rmsnorm(gates=)` makes the same float32 products). tiles: (expert, first row, BM) from
     `row_tiles` (made here if None or of another BM than `config`'s; the decoder makes them once a
     layer for each BM its two GEMMs use).
     config = (BM, BN, BK, num_warps[, num_stages]) (default: `gemm_config` at rows_per_group, or with
@@ -687,9 +690,11 @@ def grouped_gemm(
     NOUT = O // 2 if swiglu else O
     scatter = dst_idx is not None
     if scatter:
-        if gate is None or out is None or out.dtype != torch.float32:
-            raise ValueError("scatter needs gate (N,) float32 and a float32 `out`")
-        out_f32 = True
+        want = torch.float32 if gate is not None else torch.bfloat16
+        if out is None or out.dtype != want:
+            raise ValueError("scatter writes into `out`: float32 with gate (N,) float32 (BF16(y) * gate), BF16 "
+                             f"without (y), got {None if out is None else out.dtype}")
+        out_f32 = gate is not None
     elif out is None:
         out = torch.empty(N, NOUT, device=ac.device, dtype=torch.float32 if out_f32 else torch.bfloat16)
     if rows_per_group is None:
@@ -720,11 +725,11 @@ def grouped_gemm(
         row_idx if row_idx is not None else dummy,
         wc, ws, wg, swe, swn, sse, ssn, wd, O,
         offsets, tiles[0], tiles[1],
-        out, out.stride(0), dst_idx if scatter else dummy, gate if scatter else dummy,
+        out, out.stride(0), dst_idx if scatter else dummy, gate if gate is not None and scatter else dummy,
         NOUT, K,
         BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
         SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
-        SWAP=swap and w_fp4, TMA=tma, SWZ=swz, A_GS=a_gs, num_warps=nw,
+        SWAP=swap and w_fp4, TMA=tma, SWZ=swz, A_GS=a_gs, GATE=scatter and gate is not None, num_warps=nw,
         num_stages=ns,
     )
     return out

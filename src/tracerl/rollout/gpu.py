@@ -59,9 +59,10 @@ from tracerl.rollout.kvcache import DenseKVCache, FP4KVCache
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, eps, D: tl.constexpr, BD: tl.constexpr,
-                        DELTA: tl.constexpr, KD: tl.constexpr):
-    """x += delta (BF16 (B, D), or float32 (B, KD, D) summed over KD first); h = RMSNorm(x) * w."""
+def _add_rmsnorm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, h_ptr, eps, D: tl.constexpr, BD: tl.constexpr,
+                        DELTA: tl.constexpr, KD: tl.constexpr, GATED: tl.constexpr):
+    """x += delta (BF16 (B, D), or (B, KD, D) summed over KD first: float32, or BF16 times the gates
+    (B, KD) float32 if GATED); h = RMSNorm(x) * w."""
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BD)
     m = i < D
@@ -72,7 +73,10 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, eps, D: tl.constexpr, BD: tl
     if DELTA == 2:
         acc = tl.zeros((BD,), tl.float32)
         for k in tl.static_range(KD):
-            acc += tl.load(d_ptr + (b * KD + k) * D + i, mask=m, other=0.0)
+            d = tl.load(d_ptr + (b * KD + k) * D + i, mask=m, other=0.0).to(tl.float32)
+            if GATED:
+                d = d * tl.load(g_ptr + b * KD + k)
+            acc += d
         x = _bf16(x + _bf16(acc).to(tl.float32)).to(tl.float32)
         tl.store(x_ptr + b * D + i, x.to(tl.bfloat16), mask=m)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -80,16 +84,27 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, eps, D: tl.constexpr, BD: tl
     tl.store(h_ptr + b * D + i, h, mask=m)
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float, h: torch.Tensor) -> None:
-    """In place: x (B, D) BF16 += delta (BF16 (B, D) or float32 (B, K, D), summed over K, rounded
-    to BF16 first, as model/moe.py's combine); h = RMSNorm(x) * w (BF16)."""
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float, h: torch.Tensor,
+                gates: torch.Tensor | None = None) -> None:
+    """In place: x (B, D) BF16 += delta; h = RMSNorm(x) * w (BF16). delta: BF16 (B, D), or the experts'
+    outputs (B, K, D), summed over K in float32 and rounded to BF16 first, as model/moe.py's combine:
+    float32 products already gated, or BF16 outputs times `gates` (B, K) float32 here (the same
+    float32 products, from half the bytes)."""
     B, D = x.shape
     mode, kd = 0, 1
     if delta is not None:
         mode, kd = (2, delta.shape[1]) if delta.dim() == 3 else (1, 1)
+    if gates is not None:
+        if mode != 2 or delta.dtype != torch.bfloat16 or tuple(gates.shape) != (B, kd) or \
+                gates.dtype != torch.float32 or not gates.is_contiguous():
+            raise ValueError(f"gates go with BF16 expert outputs (B, K, D): contiguous float32 ({B}, {kd}), got "
+                             f"{gates.dtype} {tuple(gates.shape)} for delta {None if delta is None else delta.dtype}")
+    elif mode == 2 and delta.dtype != torch.float32:
+        raise ValueError("expert outputs (B, K, D) without gates must be float32 (already gated)")
     if B:
-        _add_rmsnorm_kernel[(B,)](x, delta if delta is not None else x, w, h, eps, D=D, BD=triton.next_power_of_2(D),
-                                  DELTA=mode, KD=kd, num_warps=4)
+        _add_rmsnorm_kernel[(B,)](x, delta if delta is not None else x, gates if gates is not None else x, w, h, eps,
+                                  D=D, BD=triton.next_power_of_2(D), DELTA=mode, KD=kd, GATED=gates is not None,
+                                  num_warps=4)
 
 
 @triton.jit
@@ -344,7 +359,9 @@ class GPUDecoder:
         self.seed = torch.full((1,), seed, dtype=torch.long, device=dev)
         self.x = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
         self.h = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
-        self.y = torch.zeros(B * K, D, dtype=torch.float32, device=dev)
+        # the experts' outputs in BF16, gated in float32 by the residual kernel (add_rmsnorm(gates=)):
+        # half the bytes of float32 gated outputs (116 MB a layer at 1776 rows), the same products
+        self.y = torch.zeros(B * K, D, dtype=torch.bfloat16, device=dev)
         self.kv_new = torch.zeros(2, B, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device=dev)
         self.offsets = torch.zeros(L, cfg.num_experts, **i32)  # per layer, kept for byte accounting
         self.logits = torch.zeros(B, cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -413,7 +430,9 @@ class GPUDecoder:
         y = F.linear(x, w)
         return y.float() if out_f32 else y
 
-    def _moe(self, i: int, lw: LayerWeights) -> None:
+    def _moe(self, i: int, lw: LayerWeights) -> torch.Tensor:
+        """The MoE block of layer i on self.h: the experts' BF16 outputs into self.y (pair rows); returns
+        the gates (B, K) float32 they are combined with."""
         cfg = self.cfg
         K, E, Fw = cfg.top_k, cfg.num_experts, cfg.expert_size
         p = f"layers.{i}.mlp.experts"
@@ -426,7 +445,7 @@ class GPUDecoder:
             logits = torch.mm(self.h.float(), lw.router.float().T)
         ids, gates = fg.route(logits, K, cfg.norm_topk_prob or cfg.router == "topk_softmax")
         self._observe_routing(i, ids)
-        offs, tok, pair, gsort = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
+        offs, tok, pair, _ = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
         w4 = isinstance(lw.gate_up, fp4.FP4Tensor)
         c_gu = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.gate_up.input"), True), self.rows_per_expert)
         c_dn = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.down.input"), False), self.rows_per_expert)
@@ -437,8 +456,8 @@ class GPUDecoder:
             h2 = torch._grouped_mm(xs, lw.gate_up.transpose(-2, -1), offs=offs)
             hm = F.silu(h2[:, :Fw]) * h2[:, Fw:]
             y = torch._grouped_mm(hm, lw.down.transpose(-2, -1), offs=offs)
-            self.y.index_copy_(0, pair.long(), y.float() * gsort[:, None])
-            return
+            self.y.index_copy_(0, pair.long(), y)
+            return gates
         # FP4 activations: the quantize pass also writes the BF16 c * s8 the GEMM reads (fg.DEQUANT_A),
         # instead of a dequantize pass per GEMM (96 launches a step, ~2.5% of a B=16 step on the H100)
         dq = self.fused_dequant and self.recipe.quantizes(f"{p}.gate_up.input")
@@ -447,8 +466,9 @@ class GPUDecoder:
                                tiles=tiles[c_gu[0]], config=c_gu, a_dequant=self.dq_h if dq else None)
         dq = self.fused_dequant and self.recipe.quantizes(f"{p}.down.input")
         hm = self._act(f"{p}.down.input", hmid, pairs=pair, dequant_out=self.dq_mid if dq else None)
-        fg.grouped_gemm(hm, lw.down, offs, dst_idx=pair, gate=gsort, out=self.y, tiles=tiles[c_dn[0]], config=c_dn,
+        fg.grouped_gemm(hm, lw.down, offs, dst_idx=pair, out=self.y, tiles=tiles[c_dn[0]], config=c_dn,
                         a_dequant=self.dq_mid if dq else None)
+        return gates
 
     def _attention(self, i: int, lw: LayerWeights) -> torch.Tensor:
         cfg = self.cfg
@@ -480,9 +500,9 @@ class GPUDecoder:
         for i, lw in enumerate(w.layers):
             a = self._attention(i, lw)
             add_rmsnorm(self.x, a, lw.mlp_norm, eps, self.h)
-            self._moe(i, lw)
+            gates = self._moe(i, lw)
             nxt = w.layers[i + 1].attn_norm if i + 1 < len(w.layers) else w.final_norm
-            add_rmsnorm(self.x, self.y.view(self.B, cfg.top_k, cfg.hidden_size), nxt, eps, self.h)
+            add_rmsnorm(self.x, self.y.view(self.B, cfg.top_k, cfg.hidden_size), nxt, eps, self.h, gates=gates)
         self._linear(self.h, w.lm_head, "lm_head", out_f32=True, out=self.logits)
         sample_tokens(self.logits, self.temperature, self.seed, self.next_tokens, self.logprobs)
         self._advance()
