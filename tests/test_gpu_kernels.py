@@ -355,6 +355,37 @@ def check_norm_and_sample(dev: str, B=4, D=96, V=300):
     assert torch.allclose(lp, torch.log_softmax(logits / 0.7, -1).gather(-1, tok[:, None])[:, 0], atol=1e-5)
 
 
+def check_sampler_distribution(dev: str) -> None:
+    """sample_tokens draws from softmax(logits / T): token counts over many rows (each row its own
+    Philox counters) against the probabilities, within one vocabulary chunk and across two."""
+    from tracerl.rollout import gpu
+
+    B, V, T = 800, 6, 0.7
+    logits = torch.tensor([0.3, -0.6, 1.1, 0.0, -0.2, 0.7]).expand(B, V).contiguous().to(dev)
+    tok = torch.empty(B, dtype=torch.long, device=dev)
+    lp = torch.empty(B, device=dev)
+    gpu.sample_tokens(logits, T, torch.tensor([123], device=dev), tok, lp)
+    p = torch.softmax(logits[0].double().cpu() / T, -1)
+    counts = torch.bincount(tok.cpu(), minlength=V).double()
+    chi2 = float(((counts - B * p) ** 2 / (B * p)).sum())
+    assert chi2 < 25, (chi2, counts.tolist(), (B * p).tolist())  # 5 dof: P(chi2 > 25) ~ 1e-4
+    # the same rows as if at temperature 1 would be another distribution: the test can tell them apart
+    p1 = torch.softmax(logits[0].double().cpu(), -1)
+    assert float(((counts - B * p1) ** 2 / (B * p1)).sum()) > 25
+    # two BV chunks: the mass split 1:3 between a token in each; another seed, other draws
+    B, V = 256, 5000
+    lg = torch.full((B, V), -30.0)
+    lg[:, 3], lg[:, 4500] = 0.0, math.log(3.0)
+    tok = torch.empty(B, dtype=torch.long, device=dev)
+    lp = torch.empty(B, device=dev)
+    gpu.sample_tokens(lg.to(dev), 1.0, torch.tensor([7], device=dev), tok, lp)
+    n_hi = int((tok == 4500).sum())
+    assert int(((tok == 3) | (tok == 4500)).sum()) == B and abs(n_hi - 192) < 35, n_hi  # 5 sigma
+    tok2 = torch.empty_like(tok)
+    gpu.sample_tokens(lg.to(dev), 1.0, torch.tensor([8], device=dev), tok2, lp)
+    assert not torch.equal(tok, tok2)
+
+
 def check_all(dev: str) -> None:
     check_row_tiles(dev)
     check_grouped_gemm(dev)
@@ -368,6 +399,7 @@ def check_all(dev: str) -> None:
     check_qkv_post_and_store(dev, B=2, H=32, Hkv=4, Dh=128)
     check_kv_store_swizzled(dev)
     check_norm_and_sample(dev)
+    check_sampler_distribution(dev)
 
 
 def _engine_reference(m, packed, recipe, prompts, record=None):

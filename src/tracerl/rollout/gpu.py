@@ -108,8 +108,10 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, ep
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, sl, V, seed_ptr, tok_ptr, lp_ptr, inv_t, GREEDY: tl.constexpr, BV: tl.constexpr):
-    """One row: token = argmax(z + Gumbel) (argmax z if GREEDY), z = logits / T; logprob = log_softmax(z)[token]."""
+def _sample_kernel(logits_ptr, sl, V, VQ, seed_ptr, tok_ptr, lp_ptr, inv_t, GREEDY: tl.constexpr, BV: tl.constexpr):
+    """One row: token = argmax(z + Gumbel) (argmax z if GREEDY), z = logits / T; logprob = log_softmax(z)[token].
+    The uniforms come four to a Philox call (`rand4x`, counter b * VQ + v // 4): one call an element was
+    most of the kernel's instructions (1.7 ms of a 1776-row step over a 152k vocabulary on the H100)."""
     b = tl.program_id(0).to(tl.int64)
     seed = tl.load(seed_ptr)
     row = logits_ptr + b * sl
@@ -128,7 +130,8 @@ def _sample_kernel(logits_ptr, sl, V, seed_ptr, tok_ptr, lp_ptr, inv_t, GREEDY: 
         if GREEDY:
             key = z
         else:
-            u = tl.rand(seed, (b * V + v).to(tl.int32))
+            u0, u1, u2, u3 = tl.rand4x(seed, (b * VQ + v0 // 4 + tl.arange(0, BV // 4)).to(tl.int32))
+            u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (BV,))
             key = z - tl.log(-tl.log(u))
         key = tl.where(msk, key, float("-inf"))
         cm = tl.max(key, axis=0)
@@ -150,10 +153,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, 
     the random stream is Triton's Philox keyed by `seed` (int64 (1,) on the device) and the row.
     """
     B, V = logits.shape
+    bv = min(4096, max(16, triton.next_power_of_2(V)))  # (the draws depend on v // 4 and v % 4, not on BV)
     if B:
-        _sample_kernel[(B,)](logits, logits.stride(0), V, seed, tokens, logprobs,
+        _sample_kernel[(B,)](logits, logits.stride(0), V, triton.cdiv(V, 4), seed, tokens, logprobs,
                              1.0 / temperature if temperature > 0 else 1.0, GREEDY=temperature == 0,
-                             BV=4096, num_warps=8)
+                             BV=bv, num_warps=8 if bv >= 4096 else 4)
 
 
 # ----------------------------------------------------------------------------- weights
