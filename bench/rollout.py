@@ -349,7 +349,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="override num_layers (default: the preset's)")
-    ap.add_argument("--recipes", default="w4a4kv4,w4a4,w4a16,bf16")
+    ap.add_argument("--recipes", default="w4a4kv4,w4a4,w4a16,bf16",
+                    help="comma list; NAME or NAME:SITES (e.g. w4a4kv4:all-linear also puts the attention "
+                         "projections in FP4; the default site set is the reference method's experts+kv)")
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--max-batch-cap", type=int, default=2048)
@@ -412,7 +414,8 @@ def main(argv=None) -> int:
     contexts = [int(c) for c in args.contexts.split(",") if c]
     prof_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for rname in [r for r in args.recipes.split(",") if r]:
-        recipe = qat.Recipe(rname)
+        name, _, sites = rname.partition(":")
+        recipe = qat.Recipe(name, sites=sites or "experts+kv")
         t0 = time.perf_counter()
         w = DecoderWeights.random(cfg, recipe, "cuda")
         torch.cuda.synchronize()

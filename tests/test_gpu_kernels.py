@@ -430,8 +430,9 @@ def check_decoder(dev: str, recipes=("bf16", "w4a16", "w4a4", "w4a4kv4"), B=2, P
 
     m = M.build("tiny", seed=0)
     prompts = torch.randint(0, m.config.vocab_size, (B, P), generator=torch.Generator().manual_seed(6))
-    for name in recipes:
-        recipe = qat.Recipe(name)
+    for spec in recipes:  # NAME or NAME:SITES
+        name, _, sites = spec.partition(":")
+        recipe = qat.Recipe(name, sites=sites or "experts+kv")
         packed = m.pack_weights(recipe, dtype=torch.bfloat16)
         dec = GPUDecoder(DecoderWeights.from_packed(m.config, packed, device=dev), batch=B, max_len=16,
                          temperature=0.0)
@@ -442,7 +443,12 @@ def check_decoder(dev: str, recipes=("bf16", "w4a16", "w4a4", "w4a4kv4"), B=2, P
         # looser end-to-end bound; its first layer's K/V codes may differ only where the GPU GEMM's
         # accumulation order moves a value across a rounding midpoint (exactly equal on the CPU)
         tol = 0.12 if recipe.kv else 0.03
-        assert _rel(got, ref) < tol, (name, _rel(got, ref))
+        if recipe.acts and recipe.sites == "all-linear":
+            # FP4 inputs of every attention projection: in the tiny random model the CPU reference
+            # itself moves 0.21 (w4a4) / 0.25 (w4a4kv4) between BF16 and float32 compute; a wrong
+            # scale or layout gives > 1
+            tol = 0.3
+        assert _rel(got, ref) < tol, (spec, _rel(got, ref))
         if recipe.kv:
             for kv, site in enumerate(("k_cache", "v_cache")):
                 q = fp4.quantize(rec[f"layers.0.attn.{site}"], "nvfp4", per_row_global=True)
@@ -960,6 +966,13 @@ def test_ptx_nibbles_equal_portable_path():
 @pytest.mark.gpu
 def test_decoder_gpu_matches_engine():
     check_decoder("cuda")
+
+
+@gpu
+@pytest.mark.gpu
+def test_decoder_gpu_all_linear_matches_engine():
+    # the attention projections through fp4_linear (what bench/rollout.py's w4a4kv4:all-linear row runs)
+    check_decoder("cuda", ("w4a16:all-linear", "w4a4kv4:all-linear"))
 
 
 @gpu
