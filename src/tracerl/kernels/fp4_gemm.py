@@ -966,3 +966,141 @@ def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: 
                                  K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C, NP=np_,
                                  num_warps=4 if C <= 64 else 8)
     return offsets, tok, pair, gsort
+
+
+# ----------------------------------------------------------------------------- small-batch routing, one launch
+
+# route + dispatch + row tiles as one launch up to this many (token, slot) pairs. At a small decode
+# batch each of the three is a latency-bound 2-5 us launch (0.47 ms of a 9 ms B=16 step on the H100,
+# 48 layers); 0 = off (the three kernels), as until a device run times it (docs/decisions.md).
+ROUTE_FUSED_MAX_PAIRS = 0
+ROUTE_FUSED_LIMIT = 1024  # the largest (tokens x top_k) tile one program routes and histograms
+
+
+@triton.jit
+def _write_tiles(te_ptr, tm_ptr, cnt, starts, MAXT, BM: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
+    """`row_tiles`' lists from per-expert row counts `cnt` and first rows `starts` (EP,): tile t belongs
+    to the first expert whose tiles end after t; entries from the last tile to MAXT get expert -1."""
+    nt = (cnt + BM - 1) // BM
+    tend = tl.cumsum(nt, axis=0)
+    total = tl.sum(nt, axis=0)
+    c = tl.arange(0, CH)
+    t0 = 0
+    while t0 < MAXT:
+        t = t0 + c
+        ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        sel = tl.arange(0, EP)[None, :] == ex[:, None]
+        first_tile = tl.sum(tl.where(sel, (tend - nt)[None, :], 0), axis=1)
+        first_row = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
+        valid = t < total
+        tl.store(te_ptr + t, tl.where(valid, ex, -1), mask=t < MAXT)
+        tl.store(tm_ptr + t, tl.where(valid, first_row + (t - first_tile) * BM, 0), mask=t < MAXT)
+        t0 += CH
+
+
+@triton.jit
+def _route_dispatch_kernel(logits_ptr, ids_ptr, gate_ptr, offs_ptr, tok_ptr, pair_ptr, gsort_ptr,
+                           te0_ptr, tm0_ptr, te1_ptr, tm1_ptr, T, MAXT0, MAXT1,
+                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                           TP: tl.constexpr, C: tl.constexpr, BM0: tl.constexpr, BM1: tl.constexpr,
+                           CH: tl.constexpr):
+    """`route`, `dispatch` and `row_tiles` (for BM0 and, if > 0, BM1) of T <= TP tokens in one launch.
+
+    Every program routes all T tokens (a (TP, E) tile: cheaper than a second launch at these sizes),
+    histograms all T*K pairs and places chunk p of C of them as `_dispatch_kernel` does; program 0
+    also stores ids, gates, offsets and the tile lists. Top-k and gates are `_route_kernel`'s ops row
+    by row (repeated argmax, the same running total)."""
+    p = tl.program_id(0)
+    t = tl.arange(0, TP)
+    e = tl.arange(0, EP)
+    tv = t < T
+    lg = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=tv[:, None] & (e[None, :] < E),
+                 other=0.0)
+    lg = tl.where(e[None, :] < E, lg, float("-inf"))  # rows past T stay finite (no NaN)
+    pr = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+    pr = pr / tl.sum(pr, axis=1)[:, None]
+    pr = tl.where(e[None, :] < E, pr, -1.0)
+    kk = tl.arange(0, K)
+    ids2 = tl.zeros((TP, K), tl.int32)
+    g2 = tl.zeros((TP, K), tl.float32)
+    total = tl.zeros((TP,), tl.float32)
+    for k in tl.static_range(K):
+        i = tl.argmax(pr, axis=1)
+        v = tl.max(pr, axis=1)
+        ids2 = tl.where(kk[None, :] == k, i[:, None].to(tl.int32), ids2)
+        g2 = tl.where(kk[None, :] == k, v[:, None], g2)
+        total += v
+        pr = tl.where(e[None, :] == i[:, None], -1.0, pr)
+    if NORM:
+        g2 = g2 / total[:, None]
+    NP: tl.constexpr = TP * K
+    n = T * K
+    j = tl.arange(0, NP)
+    ids = tl.reshape(ids2, (NP,))
+    m = j < n
+    tot = tl.histogram(ids, EP, mask=m)
+    before = tl.histogram(ids, EP, mask=m & (j < p * C))
+    ends = tl.cumsum(tot, axis=0)
+    if p == 0:
+        tl.store(ids_ptr + t[:, None] * K + kk[None, :], ids2, mask=tv[:, None])
+        tl.store(gate_ptr + t[:, None] * K + kk[None, :], g2, mask=tv[:, None])
+        tl.store(offs_ptr + e, ends, mask=e < E)
+        _write_tiles(te0_ptr, tm0_ptr, tot, ends - tot, MAXT0, BM0, EP, CH)
+        if BM1 > 0:
+            _write_tiles(te1_ptr, tm1_ptr, tot, ends - tot, MAXT1, BM1, EP, CH)
+    # this program's chunk of C pairs, picked out of the (NP,) registers
+    NCH: tl.constexpr = NP // C
+    mine = tl.arange(0, NCH)[:, None] == p
+    idc = tl.sum(tl.where(mine, tl.reshape(ids, (NCH, C)), 0), axis=0)
+    gc = tl.sum(tl.where(mine, tl.reshape(tl.reshape(g2, (NP,)), (NCH, C)), 0.0), axis=0)
+    i = p * C + tl.arange(0, C)
+    mc = i < n
+    onehot = ((idc[:, None] == e[None, :]) & mc[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    base = tl.sum(onehot * (ends - tot + before)[None, :], axis=1)
+    dst = base + rank
+    tl.store(tok_ptr + dst, i // K, mask=mc)
+    tl.store(pair_ptr + dst, i, mask=mc)
+    tl.store(gsort_ptr + dst, gc, mask=mc)
+
+
+def route_dispatch_fusable(n_tokens: int, top_k: int, n_tile_sizes: int = 1) -> bool:
+    """Whether `route_dispatch` takes this batch (ROUTE_FUSED_MAX_PAIRS on and big enough, top_k a
+    power of two, at most two row-tile sizes)."""
+    n = n_tokens * top_k
+    return (0 < n <= min(ROUTE_FUSED_MAX_PAIRS, ROUTE_FUSED_LIMIT) and top_k & (top_k - 1) == 0
+            and 1 <= n_tile_sizes <= 2)
+
+
+def route_dispatch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
+                   offsets: torch.Tensor | None = None, tile_bms: tuple[int, ...] = (16,)):
+    """`route` + `dispatch` + `row_tiles` for each of `tile_bms` (at most two) in one launch, for small
+    batches (tokens x top_k <= ROUTE_FUSED_LIMIT, top_k a power of two): (ids, gates, offsets, tok,
+    pair, gsort, {bm: (experts, first rows)}), the same tensors the three functions return."""
+    T, E = logits.shape
+    N = T * top_k
+    if top_k & (top_k - 1) or not 0 < N <= ROUTE_FUSED_LIMIT or not 1 <= len(tile_bms) <= 2:
+        raise ValueError(f"route_dispatch takes 1..{ROUTE_FUSED_LIMIT} pairs, top_k a power of two and one or "
+                         f"two tile sizes; got {T} tokens x top_k {top_k}, tile sizes {tile_bms}: use route/dispatch")
+    dev = logits.device
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    gates = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    if offsets is None:
+        offsets = torch.empty(E, dtype=torch.int32, device=dev)
+    tok = torch.empty(N, dtype=torch.int32, device=dev)
+    pair = torch.empty(N, dtype=torch.int32, device=dev)
+    gsort = torch.empty(N, dtype=torch.float32, device=dev)
+    tiles, bufs = {}, []
+    for bm in tile_bms:
+        mt = max_row_tiles(E, N, bm)
+        tiles[bm] = (torch.empty(mt, dtype=torch.int32, device=dev), torch.empty(mt, dtype=torch.int32, device=dev))
+        bufs.append((*tiles[bm], mt, bm))
+    if len(bufs) == 1:
+        bufs.append((bufs[0][0], bufs[0][1], 0, 0))
+    TP = triton.next_power_of_2(T)
+    C = min(64, TP * top_k)
+    _route_dispatch_kernel[(triton.cdiv(N, C),)](
+        logits.contiguous(), ids, gates, offsets, tok, pair, gsort, bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1],
+        T, bufs[0][2], bufs[1][2], E=E, EP=triton.next_power_of_2(E), K=top_k, NORM=norm_topk_prob, TP=TP, C=C,
+        BM0=bufs[0][3], BM1=bufs[1][3], CH=64, num_warps=4)
+    return ids, gates, offsets, tok, pair, gsort, tiles
