@@ -37,6 +37,7 @@ from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
 from tracerl.kernels.fp4_swizzle import SwizzledFP4
 from tracerl.model.config import get_config
+from tracerl.rollout import gpu as gpu_mod
 from tracerl.rollout.gpu import DecoderWeights, GPUDecoder, quantize_weight
 
 GiB = 2**30
@@ -372,6 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--route-fused", type=int, default=None, metavar="PAIRS",
                     help="fg.ROUTE_FUSED_MAX_PAIRS: route + dispatch + row tiles in one launch up to PAIRS "
                          "(tokens x top_k; 0 = three launches; default: the module's)")
+    ap.add_argument("--sample-programs-per-sm", type=int, default=None, metavar="N",
+                    help="gpu.SAMPLE_PROGRAMS_PER_SM: split the sampler's vocabulary until N programs an SM "
+                         "(0 = one program a row; default: the module's)")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
     ap.add_argument("--out", default="out/rollout.json")
     ap.add_argument("--merge", nargs="+", help="combine result JSONs of one session (sweep + peer) into --out")
@@ -384,11 +388,14 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.route_fused is not None:
         fg.ROUTE_FUSED_MAX_PAIRS = args.route_fused
+    if args.sample_programs_per_sm is not None:
+        gpu_mod.SAMPLE_PROGRAMS_PER_SM = args.sample_programs_per_sm
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
            "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"),
-           "route_fused_max_pairs": fg.ROUTE_FUSED_MAX_PAIRS}
+           "route_fused_max_pairs": fg.ROUTE_FUSED_MAX_PAIRS,
+           "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM}
     import triton
 
     env["triton"] = triton.__version__

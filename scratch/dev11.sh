@@ -18,9 +18,9 @@ timeout $L python3 bench/rollout.py --micro --time-budget $((L - 60)) --recipes 
   --profile 2 --profile-batches 16,1776,240 --out $OUT/rollout.json > $OUT/rollout.log 2>&1
 grep -E "^tuned attention|speedup|ms/step" $OUT/rollout.log | cut -c1-200 | tail -24; echo "t=$(( $(date +%s) - T0 ))"
 for rf in 0 1024; do
-  L=$(left 45); [ $L -lt 25 ] && break
+  L=$(left 60); [ $L -lt 30 ] && break
   timeout $L python3 bench/rollout.py --recipes w4a4kv4 --batches 16,64 --contexts 1024 --no-max-batch \
-    --steps 8 --warmup 2 --route-fused $rf --out $OUT/ab_rf$rf.json > $OUT/ab_rf$rf.log 2>&1
+    --steps 8 --warmup 2 --route-fused $rf --sample-programs-per-sm $((rf ? 4 : 0)) --profile 2 --out $OUT/ab_rf$rf.json > $OUT/ab_rf$rf.log 2>&1
   grep "ms/step" $OUT/ab_rf$rf.log | cut -c1-160
 done
 echo "t=$(( $(date +%s) - T0 ))"

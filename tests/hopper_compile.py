@@ -229,10 +229,11 @@ def compile_variants(log: list, regs: bool = False) -> None:
                             torch.empty_like(xs))
             gpu.add_rmsnorm(xs.clone(), torch.randn(B, 8, D, generator=g).bfloat16(), torch.ones(D, dtype=torch.bfloat16),
                             1e-6, torch.empty_like(xs), gates=torch.rand(B, 8, generator=g))
-            for temp, V in ((0.0, 300), (0.7, 300), (0.7, 5000)):  # BV 512 and 4096 (the 30B vocabulary's)
+            for temp, V, ns in ((0.0, 300, None), (0.7, 300, None), (0.7, 5000, 1), (0.7, 5000, 2), (0.0, 5000, 2)):
+                # BV 512 and 4096 (the 30B vocabulary's); one program a row, and spans + merge
                 logits = torch.randn(B, V, generator=g)
                 gpu.sample_tokens(logits, temp, torch.zeros(1, dtype=torch.long), torch.empty(B, dtype=torch.long),
-                                  torch.empty(B))
+                                  torch.empty(B), splits=ns)
 
             a = torch.randn(8, 256, generator=g)
             for dt in (torch.float32, torch.bfloat16, torch.float16):

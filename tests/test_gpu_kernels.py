@@ -408,6 +408,36 @@ def check_sampler_distribution(dev: str) -> None:
     assert not torch.equal(tok, tok2)
 
 
+def check_sample_splits(dev: str) -> None:
+    """The vocabulary split over programs (+ merge) draws the tokens one program a row draws; the
+    logprobs agree to float32 rounding (log-sum-exp merged in another order)."""
+    from tracerl.rollout import gpu
+
+    g = torch.Generator().manual_seed(9)
+    B, V = 3, 3 * 4096 + 1000  # four 4096-element tiles, the last ragged
+    logits = (torch.randn(B, V, generator=g) * 3).to(dev)
+    logits[0, 7] = logits[0, 3 * 4096 + 5] = logits[0].max() + 1  # a greedy tie across spans
+    seed = torch.tensor([5], device=dev)
+    for temp in (0.0, 0.7):
+        want_t = torch.empty(B, dtype=torch.long, device=dev)
+        want_lp = torch.empty(B, device=dev)
+        gpu.sample_tokens(logits, temp, seed, want_t, want_lp, splits=1)
+        for ns in (2, 3, 4, 9):
+            tok = torch.empty_like(want_t)
+            lp = torch.empty_like(want_lp)
+            gpu.sample_tokens(logits, temp, seed, tok, lp, splits=ns)
+            assert torch.equal(tok, want_t), (temp, ns, tok.tolist(), want_t.tolist())
+            assert torch.allclose(lp, want_lp, rtol=0, atol=2e-5), (temp, ns)
+        if temp == 0.0:
+            assert int(want_t[0]) == 7  # the first of two equal maxima, as torch.argmax
+    ls = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, want_t[:, None])[:, 0].float()
+    assert torch.allclose(want_lp, ls, atol=2e-5)
+    assert gpu.sample_splits(16, 151936, torch.device(dev)) > 1 and gpu.sample_splits(4096, 151936,
+                                                                                       torch.device(dev)) == 1
+    with pytest.raises(ValueError, match="splits"):
+        gpu.sample_tokens(logits, 0.7, seed, want_t, want_lp, splits=0)
+
+
 def check_all(dev: str) -> None:
     check_row_tiles(dev)
     check_grouped_gemm(dev)
@@ -423,6 +453,7 @@ def check_all(dev: str) -> None:
     check_kv_store_swizzled(dev)
     check_norm_and_sample(dev)
     check_sampler_distribution(dev)
+    check_sample_splits(dev)
 
 
 def _engine_reference(m, packed, recipe, prompts, record=None):

@@ -108,21 +108,27 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, ep
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, sl, V, VQ, seed_ptr, tok_ptr, lp_ptr, inv_t, GREEDY: tl.constexpr, BV: tl.constexpr):
-    """One row: token = argmax(z + Gumbel) (argmax z if GREEDY), z = logits / T; logprob = log_softmax(z)[token].
-    The uniforms come four to a Philox call (`rand4x`, counter b * VQ + v // 4): one call an element was
-    most of the kernel's instructions (1.7 ms of a 1776-row step over a 152k vocabulary on the H100)."""
+def _sample_kernel(logits_ptr, sl, V, VQ, SPAN, seed_ptr, tok_ptr, lp_ptr, part_ptr, parti_ptr, inv_t,
+                   GREEDY: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+    """Row b, vocabulary span c (program (b, c)): token = argmax(z + Gumbel) (argmax z if GREEDY), z =
+    logits / T; logprob = log_softmax(z)[token]. SPLIT: store the span's (max z, sum exp(z - max),
+    best key, its index) for `_sample_merge_kernel`; else the span is the whole row and the token and
+    logprob are stored here. The uniforms come four to a Philox call (`rand4x`, counter b * VQ + v // 4:
+    an element's draw does not depend on the split): one call an element was most of the kernel's
+    instructions (1.7 ms of a 1776-row step over a 152k vocabulary on the H100)."""
     b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     seed = tl.load(seed_ptr)
     row = logits_ptr + b * sl
     m = tl.max(tl.full((BV,), float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros((BV,), tl.float32), axis=0)
     best = m
     best_i = tl.sum(tl.zeros((BV,), tl.int32), axis=0)
-    v0 = 0
-    while v0 < V:
+    v0 = c * SPAN
+    v_end = tl.minimum(V, v0 + SPAN)
+    while v0 < v_end:
         v = v0 + tl.arange(0, BV)
-        msk = v < V
+        msk = v < V  # (SPAN is a multiple of BV: only the row's last tile is ragged)
         z = tl.load(row + v, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
         mn = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - mn) + tl.sum(tl.where(msk, tl.exp(z - mn), 0.0), axis=0)
@@ -140,24 +146,80 @@ def _sample_kernel(logits_ptr, sl, V, VQ, seed_ptr, tok_ptr, lp_ptr, inv_t, GREE
         best_i = tl.where(better, ci, best_i)
         best = tl.where(better, cm, best)
         v0 += BV
-    zt = tl.load(row + best_i).to(tl.float32) * inv_t
+    if SPLIT:
+        ns = tl.num_programs(1)
+        p = part_ptr + (b * ns + c) * 3
+        tl.store(p, m)
+        tl.store(p + 1, s)
+        tl.store(p + 2, best)
+        tl.store(parti_ptr + b * ns + c, best_i)
+    else:
+        zt = tl.load(row + best_i).to(tl.float32) * inv_t
+        tl.store(tok_ptr + b, best_i.to(tl.int64))
+        tl.store(lp_ptr + b, zt - (m + tl.log(s)))
+
+
+@triton.jit
+def _sample_merge_kernel(logits_ptr, sl, part_ptr, parti_ptr, NS, tok_ptr, lp_ptr, inv_t, NSP: tl.constexpr):
+    """Row b: the spans' partials -> token (the first span's best on a tie, as one sequential pass) and
+    logprob (the spans' log-sum-exp merged)."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NSP)
+    mj = j < NS
+    p = part_ptr + (b * NS + j) * 3
+    m = tl.load(p, mask=mj, other=float("-inf"))
+    s = tl.load(p + 1, mask=mj, other=0.0)
+    key = tl.load(p + 2, mask=mj, other=float("-inf"))
+    idx = tl.load(parti_ptr + b * NS + j, mask=mj, other=0)
+    mx = tl.max(m, axis=0)
+    tot = tl.sum(tl.where(mj, s * tl.exp(m - mx), 0.0), axis=0)
+    jb = tl.argmax(key, axis=0)
+    best_i = tl.sum(tl.where(j == jb, idx, 0), axis=0)
+    zt = tl.load(logits_ptr + b * sl + best_i).to(tl.float32) * inv_t
     tl.store(tok_ptr + b, best_i.to(tl.int64))
-    tl.store(lp_ptr + b, zt - (m + tl.log(s)))
+    tl.store(lp_ptr + b, zt - (mx + tl.log(tot)))
+
+
+# split each row's vocabulary over programs until about this many programs per SM run (a small batch
+# has one program a row otherwise: 16 rows x 38 serial 4096-element tiles of a 152k vocabulary)
+SAMPLE_PROGRAMS_PER_SM = 4
+
+
+def sample_splits(B: int, V: int, device: torch.device) -> int:
+    """Vocabulary spans per row `sample_tokens` uses by default (1: one program a row, no merge)."""
+    bv = min(4096, max(16, triton.next_power_of_2(V)))
+    if SAMPLE_PROGRAMS_PER_SM <= 0 or B == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(V, bv), triton.cdiv(SAMPLE_PROGRAMS_PER_SM * sms, B)))
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens: torch.Tensor,
-                  logprobs: torch.Tensor) -> None:
+                  logprobs: torch.Tensor, splits: int | None = None) -> None:
     """Sample one token per row of logits (B, V) into tokens (B,) int64 and logprobs (B,) float32.
 
     temperature 0 is greedy. The tempered distribution is the engine's (rollout/sampling.py);
     the random stream is Triton's Philox keyed by `seed` (int64 (1,) on the device) and the row.
+    `splits`: vocabulary spans a row (default `sample_splits`); the tokens do not depend on it.
     """
     B, V = logits.shape
     bv = min(4096, max(16, triton.next_power_of_2(V)))  # (the draws depend on v // 4 and v % 4, not on BV)
-    if B:
-        _sample_kernel[(B,)](logits, logits.stride(0), V, triton.cdiv(V, 4), seed, tokens, logprobs,
-                             1.0 / temperature if temperature > 0 else 1.0, GREEDY=temperature == 0,
-                             BV=bv, num_warps=8 if bv >= 4096 else 4)
+    if not B:
+        return
+    nt = triton.cdiv(V, bv)
+    ns = sample_splits(B, V, logits.device) if splits is None else splits
+    if ns < 1:
+        raise ValueError(f"splits must be >= 1, got {ns}")
+    span = triton.cdiv(nt, min(ns, nt)) * bv
+    ns = triton.cdiv(V, span)
+    part = torch.empty(B, ns, 3, dtype=torch.float32, device=logits.device) if ns > 1 else logprobs
+    parti = torch.empty(B, ns, dtype=torch.int32, device=logits.device) if ns > 1 else logprobs
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    _sample_kernel[(B, ns)](logits, logits.stride(0), V, triton.cdiv(V, 4), span, seed, tokens, logprobs, part, parti,
+                            inv_t, GREEDY=temperature == 0, BV=bv, SPLIT=ns > 1, num_warps=8 if bv >= 4096 else 4)
+    if ns > 1:
+        _sample_merge_kernel[(B,)](logits, logits.stride(0), part, parti, ns, tokens, logprobs, inv_t,
+                                   NSP=triton.next_power_of_2(ns), num_warps=1)
 
 
 # ----------------------------------------------------------------------------- weights
