@@ -258,6 +258,11 @@ def compile_variants(log: list, regs: bool = False) -> None:
                 # recorded and dequantized in the same pass (the graph engine's FP4 expert inputs)
                 fp4_quant.quantize(a.to(torch.bfloat16), "nvfp4", per_row_global=True, sink=sink,
                                    dequant_out=torch.empty(8, 256, dtype=torch.bfloat16))
+            # many short rows: 8 rows a program (the down GEMM's input at large batches), recorded
+            many = torch.randn(4096, 768, generator=g).bfloat16()
+            sink = RecordSink(torch.empty(4096, 384, dtype=torch.uint8), torch.empty(4096, 48, dtype=torch.uint8),
+                              torch.empty(4096), torch.arange(4096, dtype=torch.long))
+            fp4_quant.quantize(many, "nvfp4", per_row_global=True, sink=sink, dequant_out=torch.empty_like(many))
             # the probes as test_kernels.check_probes calls them: these decode integer inputs
             int_in = {"e2m1_magnitude", "e2m1_decode_bytes", "e4m3_value", "mx_mult", "mx_inv_mult"}
             for what in fp4_numerics.PROBES:

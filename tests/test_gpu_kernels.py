@@ -438,6 +438,32 @@ def check_sample_splits(dev: str) -> None:
         gpu.sample_tokens(logits, 0.7, seed, want_t, want_lp, splits=0)
 
 
+def check_quant_row_tiles(dev: str, M=4096, K=384) -> None:
+    """The per-row-global quantize at many short rows (8 rows a program by default) against the torch
+    reference bit for bit: codes, scales, global scales and the BF16 dequant output (K = 384: the
+    second 256-column tile half masked)."""
+    from tracerl.kernels import fp4_quant as fq
+
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
+    assert fq._tile(M, K, 16, None, True)[0] == 8 and fq._tile(M // 2, K, 16, None, True)[0] == 1
+    dq = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    # recorded as the down GEMM's input is: expert-sorted (token, k) pairs, 8 a token
+    from tracerl.kernels.record_sink import RecordSink
+
+    src = torch.randperm(M, generator=torch.Generator().manual_seed(12)).to(device=dev, dtype=torch.int32)
+    sink = RecordSink(torch.zeros(M, K // 2, dtype=torch.uint8, device=dev), torch.zeros(M, K // 16, dtype=torch.uint8,
+                      device=dev), torch.zeros(M, device=dev), torch.arange(M // 8, device=dev), src=src, group=8)
+    q = fq.quantize(x.to(dev), "nvfp4", per_row_global=True, dequant_out=dq, sink=sink)[0]
+    rows = sink.dest_rows(M).long()
+    assert torch.equal(sink.codes[rows], q.codes) and torch.equal(sink.scales[rows], q.scales.view(torch.uint8))
+    assert torch.equal(sink.gscale[rows], q.global_scale.reshape(-1))
+    r = fp4.quantize(x, "nvfp4", per_row_global=True)
+    assert torch.equal(q.codes.cpu(), r.codes) and torch.equal(q.scales.view(torch.uint8).cpu(), r.scales.view(torch.uint8))
+    assert torch.equal(q.global_scale.cpu(), r.global_scale)
+    unit = fp4.FP4Tensor(r.codes, r.scales, torch.ones_like(r.global_scale), "nvfp4", r.shape)
+    assert torch.equal(dq.cpu(), fp4.dequantize(unit, torch.bfloat16))
+
+
 def check_all(dev: str) -> None:
     check_row_tiles(dev)
     check_grouped_gemm(dev)
@@ -607,7 +633,8 @@ def test_effective_attention_config(monkeypatch):
     assert fa.effective_config(True, 16) == small and fa.effective_config(True, 64) == large
     assert fa.effective_config(True, 64, mma_ok=False) == small
     assert fa.effective_config(True, 64, kernel="triton") == small
-    assert fa.effective_config(True, 16, kernel="mma") == fa.MMA_DEFAULT
+    assert fa.effective_config(True, 16, kernel="mma") == fa.MMA_DEFAULTS["mma"]
+    assert fa.MMA_DEFAULT == fa.MMA_DEFAULTS["mma-pos"] and fa.MMA_DEFAULT.maxnreg == 144
     monkeypatch.setitem(fa.TUNED_LARGE, True, None)  # tuned: one config at every batch
     assert fa.effective_config(True, 64) == small
     monkeypatch.setitem(fa.TUNED, True, fa.MMA_DEFAULT)  # mma tuned everywhere, but not runnable here
@@ -620,10 +647,12 @@ def test_effective_attention_config(monkeypatch):
     assert fa.effective_config(True, 64, mma_ok=False) == fa.DEFAULT_CONFIG
     with pytest.raises(ValueError, match="choose one of"):
         fa.effective_config(True, 16, kernel="cuda")
-    # the positions mma kernel: forced, it takes the tuned mma config's launch parameters, else MMA_DEFAULT's
-    assert fa.effective_config(True, 64, kernel="mma-pos") == fa.MMA_DEFAULT._replace(kernel="mma-pos")
+    # a forced mma kernel takes the tuned mma config's launch parameters with its own register cap
+    # (the heads kernel spills at the positions kernel's 144), else its own default
+    assert fa.effective_config(True, 64, kernel="mma-pos") == fa.MMA_DEFAULT
+    assert fa.effective_config(True, 64, kernel="mma") == fa.MMA_DEFAULT._replace(kernel="mma", maxnreg=None)
     monkeypatch.setitem(fa.TUNED_LARGE, True, (64, large))
-    assert fa.effective_config(True, 64, kernel="mma-pos") == large._replace(kernel="mma-pos")
+    assert fa.effective_config(True, 64, kernel="mma-pos") == large._replace(kernel="mma-pos", maxnreg=144)
     assert fa.effective_config(True, 64, kernel="mma-pos", mma_ok=False) == fa.DEFAULT_CONFIG
     assert fa.AttentionConfig(16, 1, kernel="mma-pos").split_block == 32
     assert not fa.mma_usable(True, 32, 4, 128, True, "cpu")  # Gluon has no interpreter
@@ -716,6 +745,21 @@ def test_kernels_compile_for_hopper():
     combos = {tuple(kv for kv in line.split()[2].split(",") if kv.split("=")[0] in ("SWAP", "TMA", "PF", "ASM"))
               for line in p.stdout.splitlines() if line.startswith("ok _grouped_gemm_kernel") and "W_FP4=True" in line}
     assert len(combos) == 16, sorted(combos)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA, reason="needs triton and no CUDA (the interpreter runs on CPU)")
+def test_quant_row_tiles_in_interpreter():
+    from test_kernels import _INTERP_SHIM
+
+    p = _run_interpreter(_INTERP_SHIM + "import test_gpu_kernels as t; t.check_quant_row_tiles('cpu'); print('checks ok')")
+    assert p.returncode == 0 and "checks ok" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@gpu
+@pytest.mark.gpu
+def test_quant_row_tiles_gpu():
+    check_quant_row_tiles("cuda")
+    check_quant_row_tiles("cuda", M=14208, K=768)  # the down GEMM's input at 1776 rows
 
 
 @pytest.mark.slow

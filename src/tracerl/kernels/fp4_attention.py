@@ -261,13 +261,15 @@ SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
 TUNED: dict[bool, AttentionConfig] = {}
 TUNED_LARGE: dict[bool, tuple[int, AttentionConfig] | None] = {}
 
-# AttentionConfig.kernel -> fp4_attention_mma.launch(rows=): "mma" has run on the H100 (tests, benches) and is
-# the default; "mma-pos" (positions on the MMA rows: ~25% fewer instructions a tile in the sm_90 SASS,
-# 144 registers without spills) is compiled for sm_90 but not yet run on a GPU, so only a tuner that
-# checks its output against the default kernel's picks it (bench/attention_profile.py)
+# AttentionConfig.kernel -> fp4_attention_mma.launch(rows=): "mma" puts the query heads on the MMA rows
+# (padded 8 -> 16), "mma-pos" the positions (~25% fewer instructions a tile in the sm_90 SASS, 144
+# registers without spills). Both pass the GPU tests (H100, 2026-12-08); one layer at 1k B=1776 0.720 vs
+# 0.722 ms, at 8k B=240 0.618 vs 0.671 ms (bench/RESULTS.md), so the positions kernel is the default.
 MMA_KERNELS = {"mma": "heads", "mma-pos": "positions"}
 KERNELS = ("triton", *MMA_KERNELS)
-MMA_DEFAULT = AttentionConfig(16, 1, 1024, None, True, "mma")  # the mma kernel's best on the H100 (RESULTS.md)
+MMA_DEFAULTS = {"mma": AttentionConfig(16, 1, 1024, None, True, "mma"),  # each kernel's best on the H100
+                "mma-pos": AttentionConfig(16, 1, 1024, 144, True, "mma-pos")}
+MMA_DEFAULT = MMA_DEFAULTS["mma-pos"]
 DEFAULT_LARGE: dict[bool, tuple[int, AttentionConfig]] = {True: (64, MMA_DEFAULT)}
 
 
@@ -298,9 +300,9 @@ def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok
     if kernel in MMA_KERNELS and not mma_ok:
         kernel = "triton"
     if kernel != tuned.kernel:  # the tuned config belongs to another kernel
-        if kernel in MMA_KERNELS:  # the two mma kernels share launch parameters
-            tuned = tuned._replace(kernel=kernel) if tuned.kernel in MMA_KERNELS else \
-                MMA_DEFAULT._replace(kernel=kernel)
+        if kernel in MMA_KERNELS:  # the two mma kernels share launch parameters, not the register cap
+            tuned = tuned._replace(kernel=kernel, maxnreg=MMA_DEFAULTS[kernel].maxnreg) \
+                if tuned.kernel in MMA_KERNELS else MMA_DEFAULTS[kernel]
         else:
             tuned = TUNED.get(fp4_kv, DEFAULT_CONFIG)
             if tuned.kernel != kernel:
