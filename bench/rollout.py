@@ -370,9 +370,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also time each kernel of the step over N replays (torch.profiler); prints the top ones")
     ap.add_argument("--profile-batches", default="", help="profile only these batches (default: every point)")
-    ap.add_argument("--route-fused", type=int, default=None, metavar="PAIRS",
-                    help="fg.ROUTE_FUSED_MAX_PAIRS: route + dispatch + row tiles in one launch up to PAIRS "
-                         "(tokens x top_k; 0 = three launches; default: the module's)")
     ap.add_argument("--sample-programs-per-sm", type=int, default=None, metavar="N",
                     help="gpu.SAMPLE_PROGRAMS_PER_SM: split the sampler's vocabulary until N programs an SM "
                          "(0 = one program a row; default: the module's)")
@@ -386,15 +383,12 @@ def main(argv=None) -> int:
         print("bench/rollout.py needs a CUDA device", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    if args.route_fused is not None:
-        fg.ROUTE_FUSED_MAX_PAIRS = args.route_fused
     if args.sample_programs_per_sm is not None:
         gpu_mod.SAMPLE_PROGRAMS_PER_SM = args.sample_programs_per_sm
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
            "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"),
-           "route_fused_max_pairs": fg.ROUTE_FUSED_MAX_PAIRS,
            "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM}
     import triton
 

@@ -2,6 +2,8 @@
 # Session 7, the one call ~600 s of device budget allows (nine starts were refused): GPU tests of
 # sessions 6-7 first, then an untuned decode bench of the two goal recipes (defaults only: the
 # micro tuner would take half the call), then the graph engine's CUDA tests if time is left.
+# (run 2026-12-08 on an H100; --route-fused was removed afterwards with the kernel it switched on:
+# bench/RESULTS.md, "seventh session")
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 T0=$(date +%s); DEADLINE=$((T0 + ${BUDGET_S:-400}))

@@ -174,7 +174,6 @@ def compile_variants(log: list, regs: bool = False) -> None:
             fg.fp4_linear(h, wl, out_f32=True)
             fg.row_tiles(offs, 16, fg.max_row_tiles(E, T * K, 16))
             fg.route(torch.randn(T, 16, generator=g), 4)
-            fg.route_dispatch(torch.randn(16, 128, generator=g), 8, tile_bms=(16, 32))  # the decoder's B=16
             fg.dispatch(ids, gates, E)
             fg.DISPATCH_ONE_TILE = False  # the chunk loop too
             fg.dispatch(ids, gates, E)

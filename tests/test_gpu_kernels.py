@@ -214,28 +214,6 @@ def check_route_dispatch(dev: str, T=37, E=16, K=4):
             assert torch.equal(a, b), f"one_tile={one_tile}"
 
 
-def check_route_dispatch_fused(dev: str):
-    """The one-launch small-batch routing against route + dispatch + row_tiles: the same tensors."""
-    g = torch.Generator().manual_seed(4)
-    for T, E, K, bms, norm in ((37, 16, 4, (16,), True), (16, 128, 8, (16, 32), True), (1, 128, 8, (16,), False),
-                               (64, 128, 8, (64,), True), (5, 60, 2, (16, 64), True), (128, 128, 8, (16,), True)):
-        logits = torch.randn(T, E, generator=g).to(dev)
-        logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie: the lower index first, as torch.topk
-        ids, gates = fg.route(logits, K, norm)
-        want = fg.dispatch(ids, gates, E)
-        got = fg.route_dispatch(logits, K, norm, tile_bms=bms)
-        assert torch.equal(got[0], ids), (T, E, K)
-        assert torch.allclose(got[1], gates, rtol=1e-6, atol=0), (T, E, K)
-        for a, b, what in zip(got[2:5], want[:3], ("offsets", "tok", "pair"), strict=True):
-            assert torch.equal(a, b), (T, E, K, what)
-        assert torch.allclose(got[5], want[3], rtol=1e-6, atol=0), (T, E, K)
-        for bm in bms:
-            te, tm = fg.row_tiles(want[0], bm, fg.max_row_tiles(E, T * K, bm))
-            assert torch.equal(got[6][bm][0], te) and torch.equal(got[6][bm][1], tm), (T, E, K, bm)
-    with pytest.raises(ValueError, match="power of two"):
-        fg.route_dispatch(torch.zeros(4, 8, device=dev), 3)
-
-
 def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_t=16):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, H, Dh, generator=g).bfloat16().to(dev)
@@ -469,7 +447,6 @@ def check_all(dev: str) -> None:
     check_grouped_gemm(dev)
     check_swizzled_gemm(dev)
     check_route_dispatch(dev)
-    check_route_dispatch_fused(dev)
     check_attention(dev)
     check_qkv_post_and_store(dev)
     # head counts that are not powers of two (masked head rows), no q/k norm, the 30B model's heads
@@ -765,8 +742,7 @@ def test_quant_row_tiles_gpu():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="needs triton and no CUDA (the interpreter runs on CPU)")
 def test_decoder_in_interpreter():
-    p = _run_interpreter("import test_gpu_kernels as t; t.check_decoder('cpu', ('bf16', 'w4a4kv4')); "
-                         "t.fg.ROUTE_FUSED_MAX_PAIRS = 1024; t.check_decoder('cpu', ('w4a4kv4',)); print('checks ok')")
+    p = _run_interpreter("import test_gpu_kernels as t; t.check_decoder('cpu', ('bf16', 'w4a4kv4')); print('checks ok')")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
 
@@ -1072,15 +1048,6 @@ def test_decoder_gpu_matches_engine():
 def test_decoder_gpu_all_linear_matches_engine():
     # the attention projections through fp4_linear (what bench/rollout.py's w4a4kv4:all-linear row runs)
     check_decoder("cuda", ("w4a16:all-linear", "w4a4kv4:all-linear"))
-
-
-@gpu
-@pytest.mark.gpu
-def test_decoder_gpu_fused_routing(monkeypatch):
-    # route + dispatch + row tiles as one launch (fg.ROUTE_FUSED_MAX_PAIRS), end to end
-    monkeypatch.setattr(fg, "ROUTE_FUSED_MAX_PAIRS", 1024)
-    assert fg.route_dispatch_fusable(2, 8)
-    check_decoder("cuda", ("bf16", "w4a4kv4"))
 
 
 @gpu

@@ -513,17 +513,13 @@ class GPUDecoder:
         w4 = isinstance(lw.gate_up, fp4.FP4Tensor)
         c_gu = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.gate_up.input"), True), self.rows_per_expert)
         c_dn = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.down.input"), False), self.rows_per_expert)
-        bms = tuple(sorted({c_gu[0], c_dn[0]}))
-        if fg.route_dispatch_fusable(self.B, K, len(bms)):  # small batches: one launch, not three
-            ids, gates, offs, tok, pair, _, tl_ = fg.route_dispatch(logits, K, norm, self.offsets[i], bms)
-            tiles = {bm: (*tl_[bm], bm) for bm in bms}
-            self._observe_routing(i, ids)
-        else:
-            ids, gates = fg.route(logits, K, norm)
-            self._observe_routing(i, ids)
-            offs, tok, pair, _ = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
-            # the row tiles of each row-tile size the two GEMMs use (one small kernel each; often one size)
-            tiles = {bm: (*fg.row_tiles(offs, bm, fg.max_row_tiles(E, self.B * K, bm)), bm) for bm in bms}
+        ids, gates = fg.route(logits, K, norm)
+        self._observe_routing(i, ids)
+        offs, tok, pair, _ = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
+        # the row tiles of each row-tile size the two GEMMs use (one small kernel each; often one size).
+        # Route + dispatch + tiles as one launch at small batches was timed on the H100 (2026-12-08) and
+        # taken out: 1.0 ms a B=16 step against 0.48 ms for the three kernels (docs/gpu.md)
+        tiles = {bm: (*fg.row_tiles(offs, bm, fg.max_row_tiles(E, self.B * K, bm)), bm) for bm in {c_gu[0], c_dn[0]}}
         if not w4 and self.bf16_experts == "grouped_mm":
             xs = self.h[tok.long()]
             h2 = torch._grouped_mm(xs, lw.gate_up.transpose(-2, -1), offs=offs)
