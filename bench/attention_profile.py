@@ -149,7 +149,8 @@ def sweep(points: list[tuple[int, int]], formats: list[str], out: str | None,
     if out:
         tmp = out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "heads_first": fa.HEADS_FIRST,
+                       "rows": rows}, f, indent=1)
         os.replace(tmp, out)
     return rows
 
@@ -188,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mma-programs", default="", help="mma kernel program targets (default: MMA_PROGRAMS)")
     ap.add_argument("--mma-maxnreg", default="", help="mma kernel register caps, 0 = none (default: MMA_MAXNREG)")
     ap.add_argument("--mma-kernels", default=None, help=f"some of {','.join(fa.MMA_KERNELS)} (default: both)")
+    ap.add_argument("--heads-first", type=int, choices=(0, 1), default=None,
+                    help="fa.HEADS_FIRST: a row's KV heads launched together (1) or the rows first (0)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.heads_first is not None:
+        fa.HEADS_FIRST = bool(args.heads_first)
     if not torch.cuda.is_available():
         print("attention_profile: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -47,6 +47,14 @@ from tracerl.kernels.fp4_gemm import INTERPRET, _bf16, _w_decode, _w_load
 # writes the BF16 output itself, with no partials and no merge; the same values as the merge's (at one
 # split its weight is exp(0) = 1, so it computes o / l as well). Off: always partials + merge (A/B).
 FUSE_SINGLE_SPLIT = True
+# Launch the KV heads of a row next to each other (grid (Hkv, B, S), not (B, Hkv, S)). An FP4 cache
+# keeps a position's block scales (8 B a head) and global scales (4 B a head) of all heads in one
+# 32-byte sector, so a program reading its head's fetches the whole sector; with the row index
+# fastest, a row's heads run waves apart at large batches (1k B=1776: 7104 programs, ~4 waves) and
+# each refetches the sector from DRAM (~112 fetched for 76 useful bytes a position and head). Run
+# together, they share it through L2. The same results bit for bit (only the launch order moves);
+# 2026-12-08: not yet timed on a GPU (scratch/dev13.sh times both orders).
+HEADS_FIRST = True
 
 
 @triton.jit
@@ -129,10 +137,14 @@ def _decode_attn_kernel(
     sm_scale, S, SPLIT_LEN,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
     KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, WORDS: tl.constexpr,
-    FINAL: tl.constexpr,
+    FINAL: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
+    if HEADS_FIRST:  # grid (Hkv, B, S): see HEADS_FIRST
+        hk = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
     sp = tl.program_id(2)
     L = tl.load(len_ptr + b)
     t0 = sp * SPLIT_LEN
@@ -398,7 +410,8 @@ def decode_attention(
             raise ValueError("the mma attention kernel loads code rows as 16-byte vectors: the FP4 cache's "
                              "codes must be 16-byte aligned (FP4KVCache's are)")
         fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t,
-                                 S=S, out=out if final else None, maxnreg=maxnreg, rows=MMA_KERNELS[kernel])
+                                 S=S, out=out if final else None, maxnreg=maxnreg, rows=MMA_KERNELS[kernel],
+                                 heads_first=HEADS_FIRST)
         if not final:
             _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
         return out
@@ -408,10 +421,10 @@ def decode_attention(
                 kg.stride(0), kg.stride(1))
     else:
         args = (k, v, k.stride(0), k.stride(1), d, d, d, d, d, d, 0, 0, 0, 0, 0, 0)
-    _decode_attn_kernel[(B, Hkv, S)](
+    _decode_attn_kernel[(Hkv, B, S) if HEADS_FIRST else (B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, out, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final,
+        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final, HEADS_FIRST=HEADS_FIRST,
         num_warps=num_warps, num_stages=2, **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
     )
     if not final:

@@ -316,15 +316,19 @@ def _mma_attn_kernel(
     len_ptr, po_ptr, pml_ptr, out_ptr, permk_ptr, permv_ptr, sm_scale, S, SPLIT_LEN,
     H: gl.constexpr, G: gl.constexpr, BT: gl.constexpr,
     LK: gl.constexpr, LV: gl.constexpr, LKS: gl.constexpr, LVS: gl.constexpr, L8: gl.constexpr,
-    LVP: gl.constexpr, FINAL: gl.constexpr, POS: gl.constexpr,
+    LVP: gl.constexpr, FINAL: gl.constexpr, POS: gl.constexpr, HEADS_FIRST: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     OPB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     COL: gl.constexpr = gl.SliceLayout(0, MMA)  # along the accumulators' columns
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)  # along their rows
-    b = gl.program_id(0)
-    hk = gl.program_id(1)
+    if HEADS_FIRST:
+        hk = gl.program_id(0)
+        b = gl.program_id(1)
+    else:
+        b = gl.program_id(0)
+        hk = gl.program_id(1)
     sp = gl.program_id(2)
     L = gl.load(len_ptr + b)
     t0 = sp * SPLIT_LEN
@@ -425,10 +429,11 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, swizzled: bool) -> b
 
 def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len: int, block_t: int,
            S: int | None = None, out: torch.Tensor | None = None, maxnreg: int | None = None,
-           rows: str = "heads") -> None:
+           rows: str = "heads", heads_first: bool = False) -> None:
     """The partial (o, m, l) of every (row, KV head, split), as fp4_attention's `_decode_attn_kernel`
     writes them; with `out` (one split, S = 1) the BF16 output (B, H * 128) instead. rows: what fills the
-    QK dot's MMA rows, "heads" or "positions" (ROWS; the module docstring)."""
+    QK dot's MMA rows, "heads" or "positions" (ROWS; the module docstring). heads_first: grid (Hkv, B, S),
+    a row's KV heads launched together (fp4_attention.HEADS_FIRST says why)."""
     if rows not in ROWS:
         raise ValueError(f"rows={rows!r}: choose one of {ROWS}")
     B, H, Dh = q.shape
@@ -442,10 +447,10 @@ def launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, sm_scale: float, split_len:
                               torch.tensor(v_perm() if rows == "heads" else v_pair_perm(), dtype=torch.int32,
                                            device=dev))
     permk, permv = _TABLES[dev, rows]
-    _mma_attn_kernel[(B, Hkv, S)](
+    _mma_attn_kernel[(Hkv, B, S) if heads_first else (B, Hkv, S)](
         q, q.stride(0), kc, ks, kg, vc, vs, vg, kc.stride(0) // 4, kc.stride(1) // 4, ks.stride(0), ks.stride(1),
         kg.stride(0), kg.stride(1), lens, po, pml, out if out is not None else po, permk, permv, sm_scale, S,
         split_len, H=H, G=H // Hkv, BT=block_t, LK=k_layout(block_t), LV=v_layout(block_t),
         LKS=k_scale_layout(block_t), LVS=v_scale_layout(block_t), L8=s8_layout(block_t), LVP=v_pair_layout(block_t),
-        FINAL=out is not None, POS=rows == "positions", num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+        FINAL=out is not None, POS=rows == "positions", HEADS_FIRST=heads_first, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
