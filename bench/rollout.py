@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
-           "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"),
+           "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"), "mma_check": fa.mma_selfcheck("cuda"),
            "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM}
     import triton
 

@@ -600,6 +600,40 @@ def test_decoder_split_follows_the_tuned_attention_config(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_mma_selfcheck_turns_the_mma_kernels_off_when_they_disagree(monkeypatch):
+    """The first-use check: a kernel whose output differs from the Triton kernel's, or that raises,
+    switches the mma path off (cached per device); agreement keeps it on."""
+    calls = []
+
+    def fake(q, lens, *, kernel=None, split_len=None, **kw):
+        calls.append((kernel, split_len))
+        o = torch.ones(q.shape[0], q.shape[1] * q.shape[2])
+        return o * (1.02 if kernel == bad else 1.0)
+
+    monkeypatch.setattr(fa, "decode_attention", fake)
+    for bad, want in ((None, "mma ok"), ("mma-pos", "mma off: mma-pos differs")):
+        monkeypatch.setattr(fa, "_MMA_STATUS", {})
+        calls.clear()
+        assert fa.mma_selfcheck("cpu").startswith(want)
+        assert fa.mma_selfcheck("cpu").startswith(want) and calls[0] == ("triton", 32)  # cached: no new calls
+        if bad is None:
+            assert {k for k, _ in calls} == {"triton", *fa.MMA_KERNELS} and {s for _, s in calls} == {32, 96}
+
+    def boom(*a, **kw):
+        raise RuntimeError("PTX lowering failed")
+
+    monkeypatch.setattr(fa, "decode_attention", boom)
+    monkeypatch.setattr(fa, "_MMA_STATUS", {})
+    assert fa.mma_selfcheck("cpu") == "mma off: RuntimeError: PTX lowering failed"
+
+
+@gpu
+@pytest.mark.gpu
+def test_mma_selfcheck_gpu():
+    assert fa.mma_selfcheck("cuda") == "mma ok"
+    assert fa.mma_usable(True, 32, 4, 128, True, "cuda")
+
+
 def test_effective_attention_config(monkeypatch):
     """The config a launch runs: tuned per batch, a forced kernel at its own defaults, and the Triton
     kernel at its config (not the mma one's single warp) where the mma kernel cannot run."""

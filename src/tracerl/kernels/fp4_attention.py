@@ -298,7 +298,49 @@ def mma_usable(fp4_kv: bool, n_heads: int, n_kv_heads: int, head_dim: int, swizz
     """Whether the mma kernel can run this cache: FP4, swizzled, a shape it handles, on CUDA (Gluon has no
     interpreter), with a Triton that has Gluon's mma_v2 (3.6)."""
     return (fp4_kv and fp4_attention_mma is not None and not INTERPRET and torch.device(device).type == "cuda"
-            and n_kv_heads > 0 and fp4_attention_mma.supported(n_heads, n_kv_heads, head_dim, swizzled))
+            and n_kv_heads > 0 and fp4_attention_mma.supported(n_heads, n_kv_heads, head_dim, swizzled)
+            and mma_selfcheck(device) == "mma ok")
+
+
+_MMA_STATUS: dict[str, str] = {}
+
+
+def mma_selfcheck(device: torch.device | str = "cuda") -> str:
+    """Each mma kernel against the Triton kernel on a small swizzled FP4 cache, once per device.
+
+    'mma ok' when every kernel in MMA_KERNELS agrees with the Triton kernel (rel < 1e-2, with several
+    splits and with one split's in-kernel output), else 'mma off: <reason>', and `mma_usable` is False
+    so the decoder runs the Triton kernel. Gluon has no interpreter, so this first launch on a user's
+    GPU is where a miscompile or a wrong launch would show; it must not reach their rollouts."""
+    key = str(torch.device(device))
+    if key in _MMA_STATUS:
+        return _MMA_STATUS[key]
+    _MMA_STATUS[key] = "mma ok"  # provisional: the check's own launches run the mma kernels
+    g = torch.Generator(device="cpu").manual_seed(8)
+    B, H, Hkv, Dh, T = 3, 32, 4, 128, 96
+    kv = torch.randn(2, B, T, Hkv, Dh, generator=g) * torch.rand(2, B, T, Hkv, 1, generator=g) * 4
+    nat = fp4.quantize(kv, "nvfp4", per_row_global=True)
+    sc, ss = fp4_swizzle.swizzle_blocks(nat.codes, nat.scales)  # as kv_store_fp4(swizzle=True) stores them
+    sc, ss, gs = sc.to(device), ss.to(device), nat.global_scale.to(device)
+    q = torch.randn(B, H, Dh, generator=g).bfloat16().to(device)
+    lens = torch.tensor([T, 1, T - 37], dtype=torch.int32, device=device)
+    kf, vf = (sc[0], ss[0], gs[0]), (sc[1], ss[1], gs[1])
+    try:
+        status = "mma ok"
+        for split in (32, T):  # partials + merge, and one split (the kernel writes the output)
+            ref = decode_attention(q, lens, k_fp4=kf, v_fp4=vf, swizzled=True, split_len=split, kernel="triton")
+            for kernel in MMA_KERNELS:
+                o = decode_attention(q, lens, k_fp4=kf, v_fp4=vf, swizzled=True, split_len=split, kernel=kernel)
+                rel = float((o.float() - ref.float()).norm() / ref.float().norm())
+                if not rel < 1e-2:
+                    status = f"mma off: {kernel} differs from the Triton kernel (rel {rel:.2e}, split {split})"
+                    break
+            if status != "mma ok":
+                break
+    except Exception as e:  # a PTX or lowering error: the Triton kernel runs instead
+        status = f"mma off: {type(e).__name__}: {str(e)[:200]}"
+    _MMA_STATUS[key] = status
+    return status
 
 
 def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok: bool = True) -> AttentionConfig:
