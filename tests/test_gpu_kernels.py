@@ -421,13 +421,12 @@ def check_quant_row_tiles(dev: str, M=4096, K=384) -> None:
     reference bit for bit: codes, scales, global scales and the BF16 dequant output (K = 384: the
     second 256-column tile half masked)."""
     from tracerl.kernels import fp4_quant as fq
+    from tracerl.kernels.record_sink import RecordSink
 
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
     assert fq._tile(M, K, 16, None, True)[0] == 8 and fq._tile(M // 2, K, 16, None, True)[0] == 1
     dq = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
     # recorded as the down GEMM's input is: expert-sorted (token, k) pairs, 8 a token
-    from tracerl.kernels.record_sink import RecordSink
-
     src = torch.randperm(M, generator=torch.Generator().manual_seed(12)).to(device=dev, dtype=torch.int32)
     sink = RecordSink(torch.zeros(M, K // 2, dtype=torch.uint8, device=dev), torch.zeros(M, K // 16, dtype=torch.uint8,
                       device=dev), torch.zeros(M, device=dev), torch.arange(M // 8, device=dev), src=src, group=8)

@@ -315,6 +315,8 @@ def mma_selfcheck(device: torch.device | str = "cuda") -> str:
     key = str(torch.device(device))
     if key in _MMA_STATUS:
         return _MMA_STATUS[key]
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "mma off: first use inside a CUDA graph capture (not checked, not cached)"
     _MMA_STATUS[key] = "mma ok"  # provisional: the check's own launches run the mma kernels
     g = torch.Generator(device="cpu").manual_seed(8)
     B, H, Hkv, Dh, T = 3, 32, 4, 128, 96

@@ -966,4 +966,3 @@ def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: 
                                  K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C, NP=np_,
                                  num_warps=4 if C <= 64 else 8)
     return offsets, tok, pair, gsort
-

@@ -509,13 +509,12 @@ class GPUDecoder:
             logits = torch.mm(self.h, lw.router.T, out_dtype=torch.float32)
         else:
             logits = torch.mm(self.h.float(), lw.router.float().T)
-        norm = cfg.norm_topk_prob or cfg.router == "topk_softmax"
+        ids, gates = fg.route(logits, K, cfg.norm_topk_prob or cfg.router == "topk_softmax")
+        self._observe_routing(i, ids)
+        offs, tok, pair, _ = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
         w4 = isinstance(lw.gate_up, fp4.FP4Tensor)
         c_gu = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.gate_up.input"), True), self.rows_per_expert)
         c_dn = fg.gemm_config((w4, w4 and self.recipe.quantizes(f"{p}.down.input"), False), self.rows_per_expert)
-        ids, gates = fg.route(logits, K, norm)
-        self._observe_routing(i, ids)
-        offs, tok, pair, _ = fg.dispatch(ids, gates, E, offsets=self.offsets[i])
         # the row tiles of each row-tile size the two GEMMs use (one small kernel each; often one size).
         # Route + dispatch + tiles as one launch at small batches was timed on the H100 (2026-12-08) and
         # taken out: 1.0 ms a B=16 step against 0.48 ms for the three kernels (docs/gpu.md)
