@@ -214,6 +214,21 @@ def check_route_dispatch(dev: str, T=37, E=16, K=4):
             assert torch.equal(a, b), f"one_tile={one_tile}"
 
 
+def _assert_launch_order_free(run, want: torch.Tensor | None) -> None:
+    """run() gives the same bits with fa.HEADS_FIRST on and off (and equals `want` if given)."""
+    saved = fa.HEADS_FIRST
+    try:
+        outs = []
+        for hf in (True, False):
+            fa.HEADS_FIRST = hf
+            outs.append(run())
+    finally:
+        fa.HEADS_FIRST = saved
+    assert torch.equal(outs[0], outs[1]), "the launch order changed the output"
+    if want is not None:
+        assert torch.equal(outs[0], want)
+
+
 def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_t=16):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, H, Dh, generator=g).bfloat16().to(dev)
@@ -245,6 +260,10 @@ def check_attention(dev: str, B=3, H=8, Hkv=2, Dh=64, T=80, split_len=32, block_
     o4 = fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len, block_t=block_t, swizzled=True,
                              words=True)
     assert torch.equal(o1, o2) and torch.equal(o1, o3) and torch.equal(o1, o4)
+    _assert_launch_order_free(lambda: fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len,
+                                                          block_t=block_t, swizzled=True), o1)
+    _assert_launch_order_free(lambda: fa.decode_attention(q, lens, k=k.to(dev), v=v.to(dev), split_len=T,
+                                                          block_t=block_t), None)  # one split: in-kernel output
     assert fa.kv_swizzle_check(dev) == "swizzle ok"
     check_single_split_output(dev, q, lens, [dict(k=k.to(dev), v=v.to(dev)), dict(k_fp4=n[0], v_fp4=n[1]),
                                              dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, block_t=block_t)
@@ -992,6 +1011,10 @@ def check_mma_attention(dev: str, B=5, H=32, Hkv=4, T=700, split_len=160, block_
                              v_fp4=tuple(x[3:4] for x in sw[1]),
                              split_len=split_len, swizzled=True, kernel=kernel, block_t=block_t, maxnreg=maxnreg)
     assert torch.equal(o1, o[3:4])
+    # the launch order (a row's KV heads together, or the rows first) moves no bit
+    _assert_launch_order_free(lambda: fa.decode_attention(q, lens, k_fp4=sw[0], v_fp4=sw[1], split_len=split_len,
+                                                          swizzled=True, kernel=kernel, block_t=block_t,
+                                                          maxnreg=maxnreg), o)
     check_single_split_output(dev, q, lens, [dict(k_fp4=sw[0], v_fp4=sw[1], swizzled=True)], T, kernel=kernel,
                               block_t=block_t, maxnreg=maxnreg)
 

@@ -446,6 +446,7 @@ def decode_attention(
     # one split a (row, KV head): the kernel writes the output itself and no merge runs (at large
     # batches, e.g. 1k positions x 1776 rows: the float32 partials were 4x the output's bytes)
     final = S == 1 and FUSE_SINGLE_SPLIT
+    heads_first = HEADS_FIRST and B <= 65535  # (a grid's y extent is at most 65535)
     pb, ph, ps = (1, 1, 1) if final else (B, H, S)  # (final: the partials' pointers are never read)
     po = torch.empty(pb, ph, ps, Dh, device=q.device, dtype=torch.float32)
     pml = torch.empty(pb, ph, ps, 2, device=q.device, dtype=torch.float32)
@@ -455,7 +456,7 @@ def decode_attention(
                              "codes must be 16-byte aligned (FP4KVCache's are)")
         fp4_attention_mma.launch(q, kc, ks, kg, vc, vs, vg, lens, po, pml, 1.0 / math.sqrt(Dh), split_len, block_t,
                                  S=S, out=out if final else None, maxnreg=maxnreg, rows=MMA_KERNELS[kernel],
-                                 heads_first=HEADS_FIRST)
+                                 heads_first=heads_first)
         if not final:
             _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
         return out
@@ -465,10 +466,10 @@ def decode_attention(
                 kg.stride(0), kg.stride(1))
     else:
         args = (k, v, k.stride(0), k.stride(1), d, d, d, d, d, d, 0, 0, 0, 0, 0, 0)
-    _decode_attn_kernel[(Hkv, B, S) if HEADS_FIRST else (B, Hkv, S)](
+    _decode_attn_kernel[(Hkv, B, S) if heads_first else (B, Hkv, S)](
         q, q.stride(0), *args, lens, po, pml, out, 1.0 / math.sqrt(Dh), S, split_len,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
-        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final, HEADS_FIRST=HEADS_FIRST,
+        ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=2, **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
     )
     if not final:
