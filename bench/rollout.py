@@ -421,8 +421,7 @@ def main(argv=None) -> int:
     contexts = [int(c) for c in args.contexts.split(",") if c]
     prof_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for rname in [r for r in args.recipes.split(",") if r]:
-        name, _, sites = rname.partition(":")
-        recipe = qat.Recipe(name, sites=sites or "experts+kv")
+        recipe = qat.Recipe.parse(rname)
         t0 = time.perf_counter()
         w = DecoderWeights.random(cfg, recipe, "cuda")
         torch.cuda.synchronize()

@@ -506,8 +506,7 @@ def check_decoder(dev: str, recipes=("bf16", "w4a16", "w4a4", "w4a4kv4"), B=2, P
     m = M.build("tiny", seed=0)
     prompts = torch.randint(0, m.config.vocab_size, (B, P), generator=torch.Generator().manual_seed(6))
     for spec in recipes:  # NAME or NAME:SITES
-        name, _, sites = spec.partition(":")
-        recipe = qat.Recipe(name, sites=sites or "experts+kv")
+        recipe = qat.Recipe.parse(spec)
         packed = m.pack_weights(recipe, dtype=torch.bfloat16)
         dec = GPUDecoder(DecoderWeights.from_packed(m.config, packed, device=dev), batch=B, max_len=16,
                          temperature=0.0)

@@ -98,6 +98,15 @@ def test_site_names_and_layouts(dense):
                     torch.testing.assert_close(h[b, s, k], F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+def test_recipe_parse_name_and_site_set():
+    assert Recipe.parse("w4a4kv4") == Recipe("w4a4kv4")
+    assert Recipe.parse("w4a4kv4:all-linear") == Recipe("w4a4kv4", sites="all-linear")
+    with pytest.raises(ValueError, match="unknown site set 'attn'"):
+        Recipe.parse("w4a16:attn")
+    with pytest.raises(ValueError, match="unknown precision recipe 'w8a8'"):
+        Recipe.parse("w8a8:all-linear")
+
+
 def test_recipe_site_selection_on_model_sites(tiny):
     sites = tiny.site_names()
     experts = {s for s in sites if ".mlp.experts." in s}

@@ -84,6 +84,12 @@ class Recipe:
             raise ValueError(f"unknown site set {self.sites!r}; choose one of {SITE_SETS}")
         object.__setattr__(self, "exempt", tuple(self.exempt))
 
+    @classmethod
+    def parse(cls, spec: str) -> Recipe:
+        """'NAME' or 'NAME:SITES' (e.g. 'w4a4kv4:all-linear') -> Recipe; unknown parts raise as the constructor."""
+        name, _, sites = spec.partition(":")
+        return cls(name, sites=sites) if sites else cls(name)
+
     @property
     def weights(self) -> bool:
         """Whether weights are FP4."""
