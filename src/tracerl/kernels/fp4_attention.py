@@ -327,18 +327,19 @@ def mma_selfcheck(device: torch.device | str = "cuda") -> str:
     q = torch.randn(B, H, Dh, generator=g).bfloat16().to(device)
     lens = torch.tensor([T, 1, T - 37], dtype=torch.int32, device=device)
     kf, vf = (sc[0], ss[0], gs[0]), (sc[1], ss[1], gs[1])
-    try:
-        status = "mma ok"
+
+    def first_mismatch() -> str:
         for split in (32, T):  # partials + merge, and one split (the kernel writes the output)
             ref = decode_attention(q, lens, k_fp4=kf, v_fp4=vf, swizzled=True, split_len=split, kernel="triton")
             for kernel in MMA_KERNELS:
                 o = decode_attention(q, lens, k_fp4=kf, v_fp4=vf, swizzled=True, split_len=split, kernel=kernel)
                 rel = float((o.float() - ref.float()).norm() / ref.float().norm())
                 if not rel < 1e-2:
-                    status = f"mma off: {kernel} differs from the Triton kernel (rel {rel:.2e}, split {split})"
-                    break
-            if status != "mma ok":
-                break
+                    return f"mma off: {kernel} differs from the Triton kernel (rel {rel:.2e}, split {split})"
+        return "mma ok"
+
+    try:
+        status = first_mismatch()
     except Exception as e:  # a PTX or lowering error: the Triton kernel runs instead
         status = f"mma off: {type(e).__name__}: {str(e)[:200]}"
     _MMA_STATUS[key] = status

@@ -185,13 +185,18 @@ def _sample_merge_kernel(logits_ptr, sl, part_ptr, parti_ptr, NS, tok_ptr, lp_pt
 SAMPLE_PROGRAMS_PER_SM = 4
 
 
+def _vocab_tile(V: int) -> int:
+    """Elements of the vocabulary a sampler program takes per step (the draws depend on v // 4 and
+    v % 4, not on it)."""
+    return min(4096, max(16, triton.next_power_of_2(V)))
+
+
 def sample_splits(B: int, V: int, device: torch.device) -> int:
     """Vocabulary spans per row `sample_tokens` uses by default (1: one program a row, no merge)."""
-    bv = min(4096, max(16, triton.next_power_of_2(V)))
     if SAMPLE_PROGRAMS_PER_SM <= 0 or B == 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(V, bv), triton.cdiv(SAMPLE_PROGRAMS_PER_SM * sms, B)))
+    return max(1, min(triton.cdiv(V, _vocab_tile(V)), triton.cdiv(SAMPLE_PROGRAMS_PER_SM * sms, B)))
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens: torch.Tensor,
@@ -203,7 +208,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, 
     `splits`: vocabulary spans a row (default `sample_splits`); the tokens do not depend on it.
     """
     B, V = logits.shape
-    bv = min(4096, max(16, triton.next_power_of_2(V)))  # (the draws depend on v // 4 and v % 4, not on BV)
+    bv = _vocab_tile(V)
     if not B:
         return
     nt = triton.cdiv(V, bv)
