@@ -149,14 +149,16 @@ VARIANTS = {"prefetch": (True, False, False), "plain": (False, False, False), "s
             "swap+prefetch": (True, True, False), "tma": (False, False, True), "swap+tma": (False, True, True)}
 def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
     """Pick fa.TUNED and fa.TUNED_LARGE per cache format: attention_profile's sweep (kernel, tile, program
-    target, word decode) timed at a decode batch of 16 (ctx and 8k) for TUNED and at `batch` (ctx) and
-    64 (8k) for the large-batch config, each config kept by its summed time relative to each point's
-    best (the program target matters only where B * Hkv is below it: small batches). Register caps
-    are left out: they lost at every point (bench/results/attention_sweep_h100.json)."""
+    target, word decode) timed at decode points below fa.LARGE_ROW_POSITIONS (batch x context: B=16 at
+    1k and at `ctx`) for TUNED and at the points above it (`batch` at `ctx`, B=16 and 64 at 8k) for the
+    large-launch config, each config kept by its summed time relative to each point's best (the
+    program target matters only where B * Hkv is below it: small batches). Register caps are left
+    out: they lost at every point (bench/results/attention_sweep_h100.json)."""
     from attention_profile import sweep  # here, not at import: it imports this module
 
-    small = list(dict.fromkeys([(ctx, 16), (8192, 16)]))
-    large = list(dict.fromkeys([(ctx, batch), (8192, 64)]))
+    points = list(dict.fromkeys([(1024, 16), (ctx, 16), (ctx, batch), (8192, 16), (8192, 64)]))
+    small = [p for p in points if p[0] * p[1] < fa.LARGE_ROW_POSITIONS]
+    large = [p for p in points if p[0] * p[1] >= fa.LARGE_ROW_POSITIONS]
     swz = fa.SWIZZLE_KV and fa.kv_swizzle_check("cuda") == "swizzle ok"
     fmts = {False: "bf16", True: "fp4-swizzled" if swz else "fp4"}
     rows = sweep(small + large, list(fmts.values()), None, maxnregs=[None], bw=bw)
@@ -177,9 +179,9 @@ def tune_attention(bw: float, batch: int, ctx: int) -> list[dict]:
         if c_small is not None:
             fa.TUNED[fp4_kv] = c_small
             print(f"tuned attention {fmt}: {c_small}", flush=True)
-        if c_large is not None and c_large != c_small and large[-1][1] > 16:
-            fa.TUNED_LARGE[fp4_kv] = (min(b for _, b in large), c_large)
-            print(f"tuned attention {fmt} from batch {fa.TUNED_LARGE[fp4_kv][0]}: {c_large}", flush=True)
+        if c_large is not None and c_large != c_small:
+            fa.TUNED_LARGE[fp4_kv] = (fa.LARGE_ROW_POSITIONS, c_large)
+            print(f"tuned attention {fmt} from {fa.LARGE_ROW_POSITIONS} row positions: {c_large}", flush=True)
         elif c_small is not None:
             fa.TUNED_LARGE[fp4_kv] = None  # one config at every batch (not fa.DEFAULT_LARGE)
     return [{"kernel": f"attention {r['format']} kv", **r} for r in rows]

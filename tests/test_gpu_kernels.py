@@ -606,9 +606,12 @@ def test_decoder_split_follows_the_tuned_attention_config(monkeypatch):
     # a BF16 cache reads its own entry, still the default here
     wb = DecoderWeights.from_packed(m.config, m.pack_weights(qat.Recipe("bf16")), device="cpu")
     assert GPUDecoder(wb, batch=4, max_len=512, use_graph=False).split_len == 64
-    # from the large-batch threshold up, the large-batch config; the mma kernel's split is whole tile pairs
-    monkeypatch.setitem(fa.TUNED_LARGE, True, (4, fa.AttentionConfig(16, 1, 24, None, True, "mma")))
-    assert fa.attention_config(True, 4).kernel == "mma" and fa.attention_config(True, 3).kernel == "triton"
+    # from the large-launch threshold (batch x cache length) up, the large config; the mma kernel's
+    # split is whole tile pairs
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (2048, fa.AttentionConfig(16, 1, 24, None, True, "mma")))
+    assert fa.attention_config(True, 4, 512).kernel == "mma" and fa.attention_config(True, 3, 512).kernel == "triton"
+    assert fa.attention_config(True, 2, 1024).kernel == "mma"  # a longer cache reaches it at a smaller batch
+    assert fa.attention_config(True, 4).kernel == "triton"  # no cache length: the small-launch config
     # on CPU (and for shapes it lacks) the mma kernel cannot run: the decoder splits for the Triton kernel
     assert GPUDecoder(w, batch=4, max_len=512, use_graph=False).split_len == 256
     monkeypatch.setattr(fa, "mma_usable", lambda *a, **k: True)
@@ -657,31 +660,34 @@ def test_effective_attention_config(monkeypatch):
     small = fa.AttentionConfig(64, 2, 512, None, True, "triton")
     large = fa.AttentionConfig(16, 1, 2048, None, True, "mma")
     monkeypatch.setitem(fa.TUNED, True, small)
-    monkeypatch.setitem(fa.TUNED_LARGE, True, (64, large))
-    assert fa.effective_config(True, 16) == small and fa.effective_config(True, 64) == large
-    assert fa.effective_config(True, 64, mma_ok=False) == small
-    assert fa.effective_config(True, 64, kernel="triton") == small
-    assert fa.effective_config(True, 16, kernel="mma") == fa.MMA_DEFAULTS["mma"]
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (65536, large))
+    assert fa.effective_config(True, 16, 1024) == small and fa.effective_config(True, 64, 1024) == large
+    assert fa.effective_config(True, 64, 1024, mma_ok=False) == small
+    assert fa.effective_config(True, 64, 1024, kernel="triton") == small
+    assert fa.effective_config(True, 16, 1024, kernel="mma") == fa.MMA_DEFAULTS["mma"]
     assert fa.MMA_DEFAULT == fa.MMA_DEFAULTS["mma-pos"] and fa.MMA_DEFAULT.maxnreg == 144
     monkeypatch.setitem(fa.TUNED_LARGE, True, None)  # tuned: one config at every batch
-    assert fa.effective_config(True, 64) == small
+    assert fa.effective_config(True, 64, 1024) == small
     monkeypatch.setitem(fa.TUNED, True, fa.MMA_DEFAULT)  # mma tuned everywhere, but not runnable here
-    assert fa.effective_config(True, 16, mma_ok=False) == fa.DEFAULT_CONFIG
-    # untuned: the Triton kernel's default, and for an FP4 cache the mma kernel from DEFAULT_LARGE's batch
+    assert fa.effective_config(True, 16, 1024, mma_ok=False) == fa.DEFAULT_CONFIG
+    # untuned: the Triton kernel's default, and for an FP4 cache the mma kernel from DEFAULT_LARGE's
+    # row positions (1k B=64, 8k B=8)
     monkeypatch.delitem(fa.TUNED, True)
     monkeypatch.delitem(fa.TUNED_LARGE, True)
-    assert fa.effective_config(True, 63) == fa.DEFAULT_CONFIG and fa.effective_config(False, 512) == fa.DEFAULT_CONFIG
-    assert fa.effective_config(True, 64) == fa.MMA_DEFAULT
-    assert fa.effective_config(True, 64, mma_ok=False) == fa.DEFAULT_CONFIG
+    assert fa.effective_config(True, 63, 1024) == fa.DEFAULT_CONFIG and fa.effective_config(False, 512, 1024) == fa.DEFAULT_CONFIG
+    assert fa.effective_config(True, 64, 1024) == fa.MMA_DEFAULT
+    assert fa.effective_config(True, 16, 8192) == fa.MMA_DEFAULT and fa.effective_config(True, 7, 8192) == fa.DEFAULT_CONFIG
+    assert fa.DEFAULT_LARGE[True][0] == fa.LARGE_ROW_POSITIONS == 65536
+    assert fa.effective_config(True, 64, 1024, mma_ok=False) == fa.DEFAULT_CONFIG
     with pytest.raises(ValueError, match="choose one of"):
-        fa.effective_config(True, 16, kernel="cuda")
+        fa.effective_config(True, 16, 1024, kernel="cuda")
     # a forced mma kernel takes the tuned mma config's launch parameters with its own register cap
     # (the heads kernel spills at the positions kernel's 144), else its own default
-    assert fa.effective_config(True, 64, kernel="mma-pos") == fa.MMA_DEFAULT
-    assert fa.effective_config(True, 64, kernel="mma") == fa.MMA_DEFAULT._replace(kernel="mma", maxnreg=None)
-    monkeypatch.setitem(fa.TUNED_LARGE, True, (64, large))
-    assert fa.effective_config(True, 64, kernel="mma-pos") == large._replace(kernel="mma-pos", maxnreg=144)
-    assert fa.effective_config(True, 64, kernel="mma-pos", mma_ok=False) == fa.DEFAULT_CONFIG
+    assert fa.effective_config(True, 64, 1024, kernel="mma-pos") == fa.MMA_DEFAULT
+    assert fa.effective_config(True, 64, 1024, kernel="mma") == fa.MMA_DEFAULT._replace(kernel="mma", maxnreg=None)
+    monkeypatch.setitem(fa.TUNED_LARGE, True, (65536, large))
+    assert fa.effective_config(True, 64, 1024, kernel="mma-pos") == large._replace(kernel="mma-pos", maxnreg=144)
+    assert fa.effective_config(True, 64, 1024, kernel="mma-pos", mma_ok=False) == fa.DEFAULT_CONFIG
     assert fa.AttentionConfig(16, 1, kernel="mma-pos").split_block == 32
     assert not fa.mma_usable(True, 32, 4, 128, True, "cpu")  # Gluon has no interpreter
 

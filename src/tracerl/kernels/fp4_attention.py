@@ -266,12 +266,18 @@ DEFAULT_CONFIG = AttentionConfig()
 SPLIT_PROGRAMS = DEFAULT_CONFIG.programs
 
 # KV_FP4 -> AttentionConfig; benchmarks fill it from a sweep at decode batch sizes (bench/rollout.py micro).
-# TUNED_LARGE: KV_FP4 -> (from this batch up, the config there) or None (one config for every batch),
-# where large batches want another kernel (the mma kernel beats the Triton one at B=256 and loses at
-# B=16: bench/RESULTS.md). Untuned, an FP4 cache runs the mma kernel from B=64 (DEFAULT_LARGE: the
-# H100 run's tuned choice; `effective_config` falls back to the Triton kernel where it cannot run).
+# TUNED_LARGE: KV_FP4 -> (from this many row positions up, the config there) or None (one config for
+# every launch), where long launches want another kernel. A launch's work per KV head is batch x
+# cache length ("row positions"), and that, not the batch, decides between the kernels: on the H100
+# the mma kernel lost at 1k B=16 (16k row positions: 0.025 vs 0.015 ms, its split of 64 positions too
+# short for its per-program setup) and won at 8k B=16 (131k: 0.063 vs 0.072 ms) and at 1k from B=64
+# (65k; 1k B=256: 0.107 vs 0.141 ms) (bench/RESULTS.md). Until 2026-12-08 the switch was by batch
+# alone (from B=64), which kept 8k B=16 on the slower kernel. Untuned, an FP4 cache runs the mma
+# kernel from 65536 row positions (DEFAULT_LARGE: 1k B=64, 8k B=8; `effective_config` falls back to
+# the Triton kernel where it cannot run).
+LARGE_ROW_POSITIONS = 65536
 TUNED: dict[bool, AttentionConfig] = {}
-TUNED_LARGE: dict[bool, tuple[int, AttentionConfig] | None] = {}
+TUNED_LARGE: dict[bool, tuple[int, AttentionConfig] | None] = {}  # (row positions, config)
 
 # AttentionConfig.kernel -> fp4_attention_mma.launch(rows=): "mma" puts the query heads on the MMA rows
 # (padded 8 -> 16), "mma-pos" the positions (~25% fewer instructions a tile in the sm_90 SASS, 144
@@ -282,13 +288,14 @@ KERNELS = ("triton", *MMA_KERNELS)
 MMA_DEFAULTS = {"mma": AttentionConfig(16, 1, 1024, None, True, "mma"),  # each kernel's best on the H100
                 "mma-pos": AttentionConfig(16, 1, 1024, 144, True, "mma-pos")}
 MMA_DEFAULT = MMA_DEFAULTS["mma-pos"]
-DEFAULT_LARGE: dict[bool, tuple[int, AttentionConfig]] = {True: (64, MMA_DEFAULT)}
+DEFAULT_LARGE: dict[bool, tuple[int, AttentionConfig]] = {True: (LARGE_ROW_POSITIONS, MMA_DEFAULT)}
 
 
-def attention_config(fp4_kv: bool, batch: int | None = None) -> AttentionConfig:
-    """The tuned launch config for a BF16 (False) or FP4 (True) cache at this decode batch, else the default."""
+def attention_config(fp4_kv: bool, batch: int | None = None, max_len: int | None = None) -> AttentionConfig:
+    """The tuned launch config for a BF16 (False) or FP4 (True) cache of `max_len` positions at this decode
+    batch (the large-launch one from TUNED_LARGE's row positions up), else the default."""
     large = TUNED_LARGE[fp4_kv] if fp4_kv in TUNED_LARGE else DEFAULT_LARGE.get(fp4_kv)
-    if batch is not None and large is not None and batch >= large[0]:
+    if batch is not None and max_len is not None and large is not None and batch * max_len >= large[0]:
         return large[1]
     return TUNED.get(fp4_kv, DEFAULT_CONFIG)
 
@@ -346,11 +353,12 @@ def mma_selfcheck(device: torch.device | str = "cuda") -> str:
     return status
 
 
-def effective_config(fp4_kv: bool, batch: int, kernel: str | None = None, mma_ok: bool = True) -> AttentionConfig:
-    """The config a launch runs: the tuned one at this batch, with `kernel` forced if given; where the
-    mma kernel cannot run (`mma_ok` False) the Triton kernel at its default config, not at the mma
-    config's one warp."""
-    tuned = attention_config(fp4_kv, batch)
+def effective_config(fp4_kv: bool, batch: int, max_len: int, kernel: str | None = None,
+                     mma_ok: bool = True) -> AttentionConfig:
+    """The config a launch runs: the tuned one at this batch and cache length, with `kernel` forced if
+    given; where the mma kernel cannot run (`mma_ok` False) the Triton kernel at its default config, not
+    at the mma config's one warp."""
+    tuned = attention_config(fp4_kv, batch, max_len)
     kernel = kernel or tuned.kernel
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r}: choose one of {KERNELS}")
@@ -402,14 +410,14 @@ def decode_attention(
     `kv_store_fp4(swizzle=True)` stores them). lens: int32 (B,), every entry >= 1.
     Returns (B, H * Dh) BF16 (in `out` if given). split_len: positions per split (static, so
     that a CUDA graph can replay it for any lens); default from the cache length and the tuned
-    config at this batch (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
+    config at this batch and cache length (`attention_config`), as are block_t, num_warps, maxnreg and words where not given. asm:
     the inline-PTX nibble decode (default fp4_gemm.USE_ASM) or the portable one. kernel: one of KERNELS
     (AttentionConfig.kernel; the mma ones where `fp4_attention_mma.supported`, else "triton").
     """
     B, H, Dh = q.shape
     fp4_kv = k_fp4 is not None
-    hkv = (k_fp4[0] if fp4_kv else k).shape[2]
-    tuned = effective_config(fp4_kv, B, kernel, mma_usable(fp4_kv, H, hkv, Dh, swizzled, q.device))
+    _, T, hkv = (k_fp4[0] if fp4_kv else k).shape[:3]
+    tuned = effective_config(fp4_kv, B, T, kernel, mma_usable(fp4_kv, H, hkv, Dh, swizzled, q.device))
     kernel = tuned.kernel
     programs = tuned.programs if block_t in (None, tuned.block_t) else None
     block_t = block_t or tuned.block_t

@@ -418,7 +418,7 @@ class GPUDecoder:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         # the split is static (the captured graph replays it at every length) and follows the
         # attention tile and program target tuned for this cache format
-        acfg = fa.effective_config(bool(self.recipe.kv), B, mma_ok=fa.mma_usable(
+        acfg = fa.effective_config(bool(self.recipe.kv), B, max_len, mma_ok=fa.mma_usable(
             bool(self.recipe.kv), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_swizzled, dev))
         self.split_len = fa.split_len_for(max_len, B, cfg.num_kv_heads, acfg.split_block, acfg.programs)
         self.rows_per_expert = B * K / cfg.num_experts  # the GEMM tiles follow it (fg.gemm_config)
