@@ -375,6 +375,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-programs-per-sm", type=int, default=None, metavar="N",
                     help="gpu.SAMPLE_PROGRAMS_PER_SM: split the sampler's vocabulary until N programs an SM "
                          "(0 = one program a row; default: the module's)")
+    ap.add_argument("--split-k", type=int, choices=(0, 1), default=None,
+                    help="fp4_gemm.SPLIT_K: split K of the dense FP4 projections at decode batches (1) or not (0)")
+    ap.add_argument("--heads-first", type=int, choices=(0, 1), default=None,
+                    help="fp4_attention.HEADS_FIRST: a row's KV heads launched together (1) or the rows first (0)")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
     ap.add_argument("--out", default="out/rollout.json")
     ap.add_argument("--merge", nargs="+", help="combine result JSONs of one session (sweep + peer) into --out")
@@ -387,11 +391,16 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.sample_programs_per_sm is not None:
         gpu_mod.SAMPLE_PROGRAMS_PER_SM = args.sample_programs_per_sm
+    if args.split_k is not None:
+        fg.SPLIT_K = bool(args.split_k)
+    if args.heads_first is not None:
+        fa.HEADS_FIRST = bool(args.heads_first)
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
            "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"), "mma_check": fa.mma_selfcheck("cuda"),
-           "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM}
+           "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM, "split_k": fg.SPLIT_K,
+           "heads_first": fa.HEADS_FIRST}
     import triton
 
     env["triton"] = triton.__version__

@@ -172,6 +172,9 @@ def compile_variants(log: list, regs: bool = False) -> None:
             wl = fp4.FP4Tensor(q_dn.codes[0], q_dn.scales[0], q_dn.global_scale[0].reshape(1), "nvfp4",
                                torch.Size((D, F)))
             fg.fp4_linear(h, wl, out_f32=True)
+            # K split over programs (decode batches): float32 partials, then their sum in BF16 / float32
+            fg.fp4_linear(h, wl, split_k=3)
+            fg.fp4_linear(fp4.quantize(h, "nvfp4", per_row_global=True), wl, out_f32=True, split_k=2)
             fg.row_tiles(offs, 16, fg.max_row_tiles(E, T * K, 16))
             fg.route(torch.randn(T, 16, generator=g), 4)
             fg.dispatch(ids, gates, E)

@@ -114,6 +114,36 @@ def _check_grouped_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
     assert _rel(y, r) < 1e-5
 
 
+def check_fp4_linear_split_k(dev: str, M=5, O=96, K=768, splits=(2, 3, 6)):
+    """fp4_linear with K split over programs (float32 partials added in split order): the reference's
+    products to float32 rounding (BF16 outputs within one ulp), for BF16 and FP4 activations, natural
+    and swizzled weights, 2, 3 and 6 splits of the 6 K tiles (`splits`), and the default split."""
+    from tracerl.kernels.fp4_swizzle import SwizzledFP4
+
+    g = torch.Generator().manual_seed(11)
+    _, q = _experts(1, O, K, dev, 12)
+    wl = fp4.FP4Tensor(q.codes[0], q.scales[0], q.global_scale[0].reshape(1), "nvfp4", torch.Size((O, K)))
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 3).bfloat16()
+    xq = fp4.quantize(x, "nvfp4", per_row_global=True).to(dev)
+    offs = torch.tensor([M], dtype=torch.int32, device=dev)
+    for a in (x.to(dev), xq):
+        ref = ref_f32 = fg.grouped_gemm_reference(a, q, offs, out_f32=True)
+        for w in (wl, SwizzledFP4.of(wl)):
+            y1 = fg.fp4_linear(a, w, out_f32=True, split_k=1)
+            for split in (*splits, None):
+                y = fg.fp4_linear(a, w, out_f32=True, split_k=split)
+                assert _rel(y, ref_f32) < 1e-5 and _rel(y, y1) < 1e-6, (split, _rel(y, ref_f32))
+                yb = fg.fp4_linear(a, w, split_k=split)
+                assert yb.dtype == torch.bfloat16 and _within_ulps(yb, ref.bfloat16()), split
+    steps = K // 128
+    for bad in (0, steps + 1):
+        with pytest.raises(ValueError, match=f"split_k={bad}: choose a divisor of the {steps} K tiles"):
+            fg.fp4_linear(x.to(dev), wl, split_k=bad)
+    n = 3
+    with pytest.raises(ValueError, match="no swiglu"):
+        fg.grouped_gemm(x.to(dev)[:n], q, torch.tensor([n], dtype=torch.int32, device=dev), swiglu=True, split_k=2)
+
+
 def check_swizzled_gemm(dev: str, E=4, F=64, D=128, T=24, K=2):
     """Swizzled weights (kernels/fp4_swizzle.py) give the natural weights' outputs bit for bit, in every
     GEMM kind and kernel variant; and the device's swizzle check passes."""
@@ -463,6 +493,7 @@ def check_quant_row_tiles(dev: str, M=4096, K=384) -> None:
 def check_all(dev: str) -> None:
     check_row_tiles(dev)
     check_grouped_gemm(dev)
+    check_fp4_linear_split_k(dev)
     check_swizzled_gemm(dev)
     check_route_dispatch(dev)
     check_attention(dev)
@@ -693,6 +724,21 @@ def test_effective_attention_config(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_split_k_fills_idle_sms_at_decode_batches(monkeypatch):
+    """K splits reach SPLIT_K_PROGRAMS at decode batches (o_proj at 16 rows: 32 column tiles -> 8 splits
+    of 4 of its 32 K tiles), divide the K tiles, keep two a split, and stay off where the tiles already
+    fill the GPU."""
+    assert fg.SPLIT_K_PROGRAMS == 256
+    assert fg.split_k_for(32, 32) == 8 and fg.split_k_for(80, 16) == 2  # (3 does not divide 16)
+    assert fg.split_k_for(40, 12) == 6 and fg.split_k_for(50, 12) == 4
+    assert fg.split_k_for(32, 4) == 2 and fg.split_k_for(1, 3) == 1  # at least two K tiles a split
+    assert fg.split_k_for(896, 32) == 1 and fg.split_k_for(200, 32) == 1
+    assert fg.split_k_for(32, 32, max_split=4) == 4 and fg.split_k_for(32, 32, max_split=0) == 1
+    monkeypatch.setattr(fg, "SPLIT_K", False)
+    assert fg.split_k_for(32, 32) == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_gemm_config_follows_rows_per_expert(monkeypatch):
     """pick_bm + TUNED at decode batches; fg.LARGE's last reached entry past its thresholds; BF16 weights
     never take the FP4 tiles; row tiles a caller passes keep their BM."""
@@ -816,6 +862,15 @@ def test_kernels_gpu_small():
 @pytest.mark.gpu
 def test_grouped_gemm_gpu_realistic():
     check_grouped_gemm("cuda", E=16, F=768, D=2048, T=64, K=8)
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp4_linear_split_k_gpu_decode_shapes():
+    """The 30B model's o_proj and qkv at 16 rows: the default splits (8 and 2) and others."""
+    assert fg.split_k_for(2048 // 64, 4096 // 128) == 8
+    check_fp4_linear_split_k("cuda", M=16, O=2048, K=4096, splits=(2, 8, 32))
+    check_fp4_linear_split_k("cuda", M=16, O=5120, K=2048, splits=(2, 4, 16))
 
 
 @gpu

@@ -383,15 +383,20 @@ def _grouped_gemm_kernel(
     row_ptr,
     w_ptr, ws_ptr, wg_ptr, swe, swn, sse, ssn, wd, OW,
     offs_ptr, te_ptr, tm_ptr,
-    out_ptr, so, dst_ptr, gate_ptr,
+    out_ptr, so, sos, dst_ptr, gate_ptr,
     NOUT, K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KSPAN: tl.constexpr,
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
     SWAP: tl.constexpr, TMA: tl.constexpr, SWZ: tl.constexpr, A_GS: tl.constexpr, GATE: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
+    if SPLIT > 1:  # split K: this program's KSPAN columns, its float32 partial to out[split] (see split_k_for)
+        k_lo = tl.program_id(2) * KSPAN
+        out_ptr += tl.program_id(2).to(tl.int64) * sos
+    else:
+        k_lo = 0
     e = tl.load(te_ptr + t)  # this program's (expert, row tile) from `row_tiles`; -1: no work
     m0 = tl.load(tm_ptr + t)
     end = tl.load(offs_ptr + tl.maximum(e, 0))
@@ -423,11 +428,12 @@ def _grouped_gemm_kernel(
             # software prefetch: the next K tile's packed bytes are loaded before this tile's dequant
             # (a memory-bound loop whose loads feed register math, not a dot, is not pipelined by Triton)
             cm2 = cmask[:, None]
-            pw, sw = _fp4_load(w_e, ws_e, wrow, cm2, swn, ssn, 0, BK)
+            pw, sw = _fp4_load(w_e, ws_e, wrow, cm2, swn, ssn, k_lo, BK)
             pu, su = pw, sw
             if SWIGLU:
-                pu, su = _fp4_load(w_e, ws_e, wrow + NOUT, cm2, swn, ssn, 0, BK)
-        for k0 in range(0, K, BK):
+                pu, su = _fp4_load(w_e, ws_e, wrow + NOUT, cm2, swn, ssn, k_lo, BK)
+        for kk in range(0, KSPAN, BK):  # (constant bounds: K - k_lo is not, and the interpreter wants ints)
+            k0 = k_lo + kk
             if W_FP4:
                 if TMA:
                     pw, sw = _fp4_load_tma(wd, ws_e, e * OW + n0, wrow, cmask[:, None], ssn, k0, BK)
@@ -435,7 +441,7 @@ def _grouped_gemm_kernel(
                     if SWIGLU:
                         pu, su = _fp4_load_tma(wd, ws_e, e * OW + NOUT + n0, wrow + NOUT, cmask[:, None], ssn, k0, BK)
                 elif PF:
-                    nxt = cm2 & (k0 + BK < K)
+                    nxt = cm2 & (kk + BK < KSPAN)
                     pw_n, sw_n = _fp4_load(w_e, ws_e, wrow, nxt, swn, ssn, k0 + BK, BK)
                     pu_n, su_n = pw_n, sw_n
                     if SWIGLU:
@@ -617,6 +623,7 @@ def grouped_gemm(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     config: tuple[int, int, int, int] | None = None,
     a_dequant: torch.Tensor | None = None,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """Grouped GEMM of sorted rows against per-expert weights (see the module docstring).
 
@@ -632,6 +639,8 @@ def grouped_gemm(
     `tiles` of another BM, TUNED or (64, 128, 4) at theirs).
     a_dequant: with FP4 `a` and DEQUANT_A, its BF16 e2m1 * block scale (R, K) already made (by
     `fp4_quant.quantize(dequant_out=)` in the quantize pass), so no dequantize pass runs here.
+    split_k: programs a (column tile, row tile) splits K over (`split_k_for`); each writes a float32
+    partial and `_split_sum_kernel` adds them in split order (deterministic; not with swiglu or dst_idx).
     """
     w_fp4 = isinstance(w, fp4.FP4Tensor)
     a_fp4 = isinstance(a, fp4.FP4Tensor)
@@ -711,6 +720,16 @@ def grouped_gemm(
         raise ValueError(f"K={K} must be a multiple of the K tile {bk}")
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
+    steps = K // bk
+    if split_k < 1 or steps % split_k:
+        raise ValueError(f"split_k={split_k}: choose a divisor of the {steps} K tiles of {bk} columns")
+    kspan = K // split_k
+    final = out
+    if split_k > 1:
+        if swiglu or scatter:
+            raise ValueError("split_k > 1 is for plain products (no swiglu, no dst_idx): their epilogues "
+                             "need the whole sum")
+        out = torch.empty(split_k, N, NOUT, device=ac.device, dtype=torch.float32)
     dummy = offsets
     tma = tma and w_fp4
     wd = dummy
@@ -719,20 +738,65 @@ def grouped_gemm(
             raise ValueError("TMA weight loads need contiguous weight codes")
         from triton.tools.tensor_descriptor import TensorDescriptor
         wd = TensorDescriptor.from_tensor(wc.view(E * O, K // 2), [bn, bk // 2])
-    grid = (triton.cdiv(NOUT, bn), tiles[0].numel())
+    grid = (triton.cdiv(NOUT, bn), tiles[0].numel(), split_k)
     _grouped_gemm_kernel[grid](
         ac, asc, ag, sa, sas,
         row_idx if row_idx is not None else dummy,
         wc, ws, wg, swe, swn, sse, ssn, wd, O,
         offsets, tiles[0], tiles[1],
-        out, out.stride(0), dst_idx if scatter else dummy, gate if gate is not None and scatter else dummy,
+        out, out.stride(-2), out.stride(0) if split_k > 1 else 0,
+        dst_idx if scatter else dummy, gate if gate is not None and scatter else dummy,
         NOUT, K,
-        BM=bm, BN=bn, BK=bk, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None, SWIGLU=swiglu,
-        SCATTER=scatter, OUT_F32=out_f32, ASM=USE_ASM and w_fp4, F32=INTERPRET, PF=prefetch,
+        BM=bm, BN=bn, BK=bk, SPLIT=split_k, KSPAN=kspan, W_FP4=w_fp4, A_FP4=a_fp4, GATHER=row_idx is not None,
+        SWIGLU=swiglu, SCATTER=scatter, OUT_F32=out_f32 or split_k > 1, ASM=USE_ASM and w_fp4, F32=INTERPRET,
+        PF=prefetch,
         SWAP=swap and w_fp4, TMA=tma, SWZ=swz, A_GS=a_gs, GATE=scatter and gate is not None, num_warps=nw,
         num_stages=ns,
     )
-    return out
+    if split_k > 1:
+        _split_sum_kernel[(N, triton.cdiv(NOUT, SPLIT_SUM_BLOCK))](
+            out, out.stride(0), final, final.stride(0), NOUT, SPLIT=split_k, BLOCK=SPLIT_SUM_BLOCK,
+            OUT_F32=final.dtype == torch.float32, num_warps=4)
+    return final
+
+
+SPLIT_SUM_BLOCK = 1024
+
+
+@triton.jit
+def _split_sum_kernel(ws_ptr, sws, out_ptr, so, NOUT, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      OUT_F32: tl.constexpr):
+    """out[r, c] = the split-K partials ws[:, r, c] summed in split order (float32), rounded once."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < NOUT
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * sws + r * NOUT + c, mask=m, other=0.0)
+    if OUT_F32:
+        tl.store(out_ptr + r * so + c, acc, mask=m)
+    else:
+        tl.store(out_ptr + r * so + c, _bf16(acc), mask=m)
+
+
+# fp4_linear splits K where its output tiles alone leave most SMs idle: at decode batches a dense
+# projection is one row tile, so o_proj (2048 outputs, BN 64) was 32 programs on 132 SMs streaming
+# 4096 columns each, and the all-linear recipe ran slower than cuBLAS's BF16 (which splits K itself,
+# `splitKreduce_kernel` in the profile). SPLIT_K switches it off for A/B.
+SPLIT_K = True
+SPLIT_K_PROGRAMS = 256  # the programs a split launch aims at (2 CTAs on each of the H100's 132 SMs)
+
+
+def split_k_for(programs: int, k_steps: int, target: int | None = None, max_split: int | None = None) -> int:
+    """K splits for a launch of `programs` (column tiles x row tiles) over `k_steps` K tiles: the largest
+    divisor of k_steps that keeps programs x splits within `target` (default SPLIT_K_PROGRAMS), two K
+    tiles a split and at most `max_split` splits; 1 if SPLIT_K is off."""
+    if not SPLIT_K:
+        return 1
+    target = SPLIT_K_PROGRAMS if target is None else target
+    cap = k_steps if max_split is None else max_split
+    want = max(1, min(k_steps // 2, target // max(programs, 1), cap))
+    return next(s for s in range(want, 0, -1) if k_steps % s == 0)
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
@@ -745,19 +809,29 @@ def _ones(device: torch.device) -> torch.Tensor:
     return _ONES[device]
 
 
-def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor, out_f32: bool = False) -> torch.Tensor:
-    """Dense y = x @ w.T with w NVFP4 (O, K) kept packed (one group); x BF16 (M, K) or NVFP4 per row."""
+def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor, out_f32: bool = False,
+               split_k: int | None = None) -> torch.Tensor:
+    """Dense y = x @ w.T with w NVFP4 (O, K) kept packed (one group); x BF16 (M, K) or NVFP4 per row.
+    split_k: K splits (default `split_k_for` this launch: decode batches split, large ones do not)."""
     w3 = w
     if isinstance(w, fp4.FP4Tensor):
         O, K = w.shape
         w3 = type(w)(w.codes.reshape(1, O, K // 2), w.scales.reshape(1, O, K // 16),  # (stays swizzled)
                      w.global_scale.reshape(1), w.fmt, torch.Size((1, O, K)))
     else:
+        O, K = w.shape
         w3 = w.unsqueeze(0)
     M = x.shape[0]
     dev = x.codes.device if isinstance(x, fp4.FP4Tensor) else x.device
     offsets = torch.full((1,), M, dtype=torch.int32, device=dev)
-    return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M)
+    if split_k is None:
+        bm, bn, bk, *_ = gemm_config((isinstance(w, fp4.FP4Tensor), isinstance(x, fp4.FP4Tensor), False), M)
+        bk = bk if K % bk == 0 else 64
+        # the float32 partials (splits x M x O x 4 bytes) at most half the packed weight's bytes
+        # (O x K x 9/16): o_proj (K 4096) up to 18 splits at 16 rows, 4 at 64
+        w_bytes = O * K * 9 // 16 if isinstance(w, fp4.FP4Tensor) else O * K * 2
+        split_k = split_k_for(triton.cdiv(O, bn) * triton.cdiv(M, bm), K // bk, max_split=w_bytes // (8 * M * O))
+    return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M, split_k=split_k)
 
 
 # ----------------------------------------------------------------------------- self-check
