@@ -810,9 +810,10 @@ def _ones(device: torch.device) -> torch.Tensor:
 
 
 def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor, out_f32: bool = False,
-               split_k: int | None = None) -> torch.Tensor:
+               split_k: int | None = None, a_dequant: torch.Tensor | None = None) -> torch.Tensor:
     """Dense y = x @ w.T with w NVFP4 (O, K) kept packed (one group); x BF16 (M, K) or NVFP4 per row.
-    split_k: K splits (default `split_k_for` this launch: decode batches split, large ones do not)."""
+    split_k: K splits (default `split_k_for` this launch: decode batches split, large ones do not);
+    a_dequant: as `grouped_gemm`'s (FP4 x's c * s8, written by its quantize pass)."""
     w3 = w
     if isinstance(w, fp4.FP4Tensor):
         O, K = w.shape
@@ -831,7 +832,7 @@ def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor,
         # (O x K x 9/16): o_proj (K 4096) up to 18 splits at 16 rows, 4 at 64
         w_bytes = O * K * 9 // 16 if isinstance(w, fp4.FP4Tensor) else O * K * 2
         split_k = split_k_for(triton.cdiv(O, bn) * triton.cdiv(M, bm), K // bk, max_split=w_bytes // (8 * M * O))
-    return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M, split_k=split_k)
+    return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M, split_k=split_k, a_dequant=a_dequant)
 
 
 # ----------------------------------------------------------------------------- self-check

@@ -441,6 +441,7 @@ class GPUDecoder:
         self.dq_h = torch.zeros(B, D, dtype=torch.bfloat16, device=dev) if self.fused_dequant else None
         self.dq_mid = (torch.zeros(B * K, cfg.expert_size, dtype=torch.bfloat16, device=dev)
                        if self.fused_dequant else None)
+        self.dq_linear: dict[tuple[int, ...], torch.Tensor] = {}  # the same for FP4 projections, by input shape
         self.next_tokens = torch.zeros(B, dtype=torch.long, device=dev)
         self.logprobs = torch.zeros(B, dtype=torch.float32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -493,7 +494,14 @@ class GPUDecoder:
                 return torch.mm(x, w.T, out_dtype=torch.float32, out=out)
             return out.copy_(self._linear(x, w, site, out_f32))
         if isinstance(w, fp4.FP4Tensor):
-            return fg.fp4_linear(self._act(f"{site}.input", x), w, out_f32=out_f32)
+            # FP4 inputs (all-linear sites): as for the experts, the quantize pass writes the GEMM's BF16
+            # c * s8, instead of a dequantize launch a projection
+            dq = None
+            if self.fused_dequant and self.recipe.quantizes(f"{site}.input"):
+                dq = self.dq_linear.get(tuple(x.shape))
+                if dq is None:  # (first met in capture()'s eager step, so not a graph-pool allocation)
+                    dq = self.dq_linear[tuple(x.shape)] = torch.empty_like(x, dtype=torch.bfloat16)
+            return fg.fp4_linear(self._act(f"{site}.input", x, dequant_out=dq), w, out_f32=out_f32, a_dequant=dq)
         if out_f32 and _HAS_MM_OUT_DTYPE:
             return torch.mm(x, w.T, out_dtype=torch.float32)
         if out_f32 and x.device.type == "cpu":
