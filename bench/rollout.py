@@ -35,6 +35,7 @@ import torch
 from tracerl import qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
+from tracerl.kernels import pdl
 from tracerl.kernels.fp4_swizzle import SwizzledFP4
 from tracerl.model.config import get_config
 from tracerl.rollout import gpu as gpu_mod
@@ -377,6 +378,8 @@ def main(argv=None) -> int:
                          "(0 = one program a row; default: the module's)")
     ap.add_argument("--split-k", type=int, choices=(0, 1), default=None,
                     help="fp4_gemm.SPLIT_K: split K of the dense FP4 projections at decode batches (1) or not (0)")
+    ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
+                    help="kernels.pdl.ENABLED: programmatic dependent launch of the step's Triton kernels")
     ap.add_argument("--heads-first", type=int, choices=(0, 1), default=None,
                     help="fp4_attention.HEADS_FIRST: a row's KV heads launched together (1) or the rows first (0)")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sweep points are skipped")
@@ -395,12 +398,14 @@ def main(argv=None) -> int:
         fg.SPLIT_K = bool(args.split_k)
     if args.heads_first is not None:
         fa.HEADS_FIRST = bool(args.heads_first)
+    if args.pdl is not None:
+        pdl.ENABLED = bool(args.pdl)
     cfg = get_config(args.model) if args.layers is None else get_config(args.model, num_layers=args.layers)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": cfg.name,
            "layers": cfg.num_layers, "selfcheck": fg.selfcheck("cuda"),
            "swizzle": fg.swizzle_check("cuda"), "kv_swizzle": fa.kv_swizzle_check("cuda"), "mma_check": fa.mma_selfcheck("cuda"),
            "sample_programs_per_sm": gpu_mod.SAMPLE_PROGRAMS_PER_SM, "split_k": fg.SPLIT_K,
-           "heads_first": fa.HEADS_FIRST}
+           "heads_first": fa.HEADS_FIRST, "pdl": pdl.on("cuda")}
     import triton
 
     env["triton"] = triton.__version__

@@ -7,7 +7,8 @@
 #          kernel: fa.LARGE_ROW_POSITIONS) with the Triton kernel's config beside it.
 #   PART=2 (~7 min): the full tuned decode bench of the four recipes and the peer row (for
 #          bench/results/rollout_h100.json or rollout_h200.json; merge with bench/rollout.py --merge).
-#   PART=3 (~4 min): split-K dense FP4 projections A/B (w4a4kv4:all-linear, 1k and 8k B=16 and 64),
+#   PART=3 (~6 min): programmatic dependent launch A/B (kernels/pdl.py, opt-in: w4a4kv4 and bf16 at
+#          1k/8k B=16 and 64), split-K dense FP4 projections A/B (w4a4kv4:all-linear, B=16 and 64),
 #          then the heads-first A/B in the whole step (w4a4kv4 1k B=1776 and 8k B=240).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -32,6 +33,11 @@ case "${PART:-1}" in
   timeout 60 python3 bench/rollout.py --recipes "" --peer --out $OUT/peer.json > $OUT/peer.log 2>&1; tail -3 $OUT/peer.log
   ;;
 3)
+  for p in 0 1; do
+    timeout 110 python3 bench/rollout.py --recipes w4a4kv4,bf16 --batches 16,64 --no-max-batch --steps 5 \
+      --warmup 2 --pdl $p --out $OUT/pdl$p.json > $OUT/pdl$p.log 2>&1
+    grep -E "ms/step|ERROR" $OUT/pdl$p.log | cut -c1-160
+  done
   for sk in 0 1; do
     timeout 100 python3 bench/rollout.py --recipes w4a4kv4:all-linear --batches 16,64 --no-max-batch --steps 4 \
       --warmup 1 --split-k $sk --profile 2 --profile-batches 16 --out $OUT/splitk$sk.json > $OUT/splitk$sk.log 2>&1

@@ -270,8 +270,36 @@ def compile_variants(log: list, regs: bool = False) -> None:
             for what in fp4_numerics.PROBES:
                 vals = torch.arange(64, dtype=torch.int32) if what in int_in else torch.rand(64, generator=g)
                 fp4_numerics.probe(what, vals)
+            # programmatic dependent launch (kernels/pdl.py): the decode step's kernels with PDL=True
+            from tracerl.kernels import pdl
+
+            pdl.ENABLED = pdl.ASSUME_SM90 = fg.USE_ASM = True
+            fg.KERNEL_VARIANT.clear()
+            fg.SWAP_AB = fg.TMA_W = fg.PREFETCH = False
+            fg.fp4_linear(h, wl, split_k=3)
+            fg.grouped_gemm(xq, s_gu, offs, row_idx=tok, n_rows=T * K, swiglu=True)
+            fg.grouped_gemm(h, s_dn, offs, dst_idx=pair, out=out.bfloat16())
+            fg.row_tiles(offs, 16, fg.max_row_tiles(E, T * K, 16))
+            fg.route(torch.randn(T, 16, generator=g), 4)
+            fg.dispatch(ids, gates, E)
+            for split in (32, L):
+                fa.decode_attention(q, lens, k_fp4=(sc, ss, kq.global_scale), v_fp4=(sc, ss, kq.global_scale),
+                                    split_len=split, swizzled=True, words=True)
+            fa.qkv_post(qkv, pos, cos[0].contiguous(), sin[0].contiguous(), torch.ones(2, Dh, dtype=torch.bfloat16),
+                        H, Hkv, Dh, 1e-6, kc, torch.zeros_like(kc))
+            fa.kv_store_fp4(kv, pos, cache.codes[:, 1], cache.scales[:, 1], cache.gscale[:, 1], swizzle=True)
+            gpu.add_rmsnorm(xs.clone(), torch.randn(B, 8, D, generator=g).bfloat16(), torch.ones(D, dtype=torch.bfloat16),
+                            1e-6, torch.empty_like(xs), gates=torch.rand(B, 8, generator=g))
+            gpu.sample_tokens(torch.randn(B, 5000, generator=g), 0.7, torch.zeros(1, dtype=torch.long),
+                              torch.empty(B, dtype=torch.long), torch.empty(B), splits=2)
+            qr, _ = fp4_quant.quantize(a.bfloat16(), "nvfp4", per_row_global=True,
+                                       dequant_out=torch.empty(8, 256, dtype=torch.bfloat16))
+            fp4_quant.dequantize(qr, torch.bfloat16)
         finally:
             fg.SWAP_AB, fg.TMA_W, fg.PREFETCH, fg.USE_ASM, fg.KERNEL_VARIANT = saved
+            from tracerl.kernels import pdl
+
+            pdl.ENABLED = pdl.ASSUME_SM90 = False
 
 
 if __name__ == "__main__":

@@ -729,6 +729,20 @@ def test_effective_attention_config(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_pdl_applies_only_where_enabled_on_sm90(monkeypatch):
+    """PDL is opt-in, never on CPU tensors or in the interpreter; the compile check may assume sm_90."""
+    from tracerl.kernels import pdl
+
+    assert pdl.ENABLED is False and pdl.launch("cpu") == {"PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.on("cpu")
+    monkeypatch.setattr(pdl, "ASSUME_SM90", True)
+    assert pdl.launch("cpu") == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "_INTERPRET", True)
+    assert not pdl.on("cpu")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_k_fills_idle_sms_at_decode_batches(monkeypatch):
     """K splits reach SPLIT_K_PROGRAMS at decode batches (o_proj at 16 rows: 32 column tiles -> 8 splits
     of 4 of its 32 K tiles), divide the K tiles, keep two a split, and stay off where the tiles already
@@ -830,6 +844,10 @@ def test_kernels_compile_for_hopper():
     combos = {tuple(kv for kv in line.split()[2].split(",") if kv.split("=")[0] in ("SWAP", "TMA", "PF", "ASM"))
               for line in p.stdout.splitlines() if line.startswith("ok _grouped_gemm_kernel") and "W_FP4=True" in line}
     assert len(combos) == 16, sorted(combos)
+    # every decode-step kernel but the Gluon attention also in its programmatic-dependent-launch variant
+    pdl_kernels = {line.split()[1] for line in p.stdout.splitlines() if line.startswith("ok ") and "PDL=True" in line}
+    assert pdl_kernels == launchable - {"_mma_attn_kernel", "_absmax_kernel", "_probe_kernel"}, \
+        launchable - pdl_kernels
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA, reason="needs triton and no CUDA (the interpreter runs on CPU)")
@@ -1191,4 +1209,29 @@ def test_decoder_graph_replay_equals_eager():
         dec = GPUDecoder(w, batch=4, max_len=32, temperature=1.0, seed=3, use_graph=graph)
         dec.fill_random(8)
         outs.append(dec.decode(5))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["w4a4kv4", "w4a4kv4:all-linear"])
+def test_decoder_gpu_pdl_equals_plain_launches(monkeypatch, recipe):
+    """Programmatic dependent launch changes when kernels start, never what they compute: the same
+    tokens and logprobs bit for bit, replayed from a CUDA graph, with and without it (also with the
+    FP4 projections of all-linear sites)."""
+    from tracerl import model as M
+    from tracerl.kernels import pdl
+    from tracerl.rollout.gpu import DecoderWeights, GPUDecoder
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90")
+    m = M.build("tiny", seed=0)
+    w = DecoderWeights.from_packed(m.config, m.pack_weights(qat.Recipe.parse(recipe)), device="cuda")
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        assert pdl.on("cuda") == on
+        dec = GPUDecoder(w, batch=4, max_len=32, temperature=1.0, seed=3)
+        dec.fill_random(8)
+        outs.append(dec.decode(6))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

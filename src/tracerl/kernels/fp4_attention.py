@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels import fp4_gemm, fp4_swizzle
+from tracerl.kernels import fp4_gemm, fp4_swizzle, pdl
 
 try:
     from tracerl.kernels import fp4_attention_mma
@@ -138,7 +138,9 @@ def _decode_attn_kernel(
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
     KV_FP4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, SWZ: tl.constexpr, WORDS: tl.constexpr,
     FINAL: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     if HEADS_FIRST:  # grid (Hkv, B, S): see HEADS_FIRST
         hk = tl.program_id(0)
         b = tl.program_id(1)
@@ -215,7 +217,8 @@ def _decode_attn_kernel(
 
 
 @triton.jit
-def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexpr):
+def _merge_kernel(po_ptr, pml_ptr, out_ptr, S, DH: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SP)
     smask = sp < S
@@ -467,7 +470,8 @@ def decode_attention(
                                  S=S, out=out if final else None, maxnreg=maxnreg, rows=MMA_KERNELS[kernel],
                                  heads_first=heads_first)
         if not final:
-            _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+            _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4,
+                                **pdl.launch(po.device))
         return out
     d = q  # placeholder for unused pointers
     if fp4_kv:
@@ -480,9 +484,11 @@ def decode_attention(
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), DH=Dh, BT=block_t, KV_FP4=fp4_kv,
         ASM=asm and fp4_kv, F32=INTERPRET, SWZ=swizzled and fp4_kv, WORDS=words, FINAL=final, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=2, **({"maxnreg": maxnreg} if maxnreg and not INTERPRET else {}),
+        **pdl.launch(q.device),
     )
     if not final:
-        _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4)
+        _merge_kernel[(B * H,)](po, pml, out, S, DH=Dh, SP=triton.next_power_of_2(S), num_warps=4,
+                                **pdl.launch(po.device))
     return out
 
 
@@ -520,10 +526,11 @@ def _norm_rope(row, j0, n, NP: tl.constexpr, w_ptr, c, s, eps, DH: tl.constexpr,
 def _qkv_post_kernel(qkv_ptr, sqkv, normw_ptr, cos_ptr, sin_ptr, scs, pos_ptr, q_ptr,
                      kd_ptr, vd_ptr, sdb, sdt, eps,
                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, HP: tl.constexpr, KP: tl.constexpr,
-                     QK_NORM: tl.constexpr):
+                     QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
     """Row b, every head: q/k RMSNorm over Dh (qk_norm 'head'), RoPE at pos[b]; q to q_ptr, k/v stored.
     One program a row, not a head: the cos/sin row is read once, and a 1776-row batch launches 1776
     programs instead of 64k one-warp ones (the per-head form took ~40 us a layer there on the H100)."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     d = tl.arange(0, DH)
@@ -563,6 +570,7 @@ def qkv_post(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch
             qkv, qkv.stride(0), norm_w if norm_w is not None else qkv, cos, sin, cos.stride(0), pos, q_out,
             k_dst, v_dst, sdb, sdt, eps, H=n_heads, HKV=n_kv_heads, DH=head_dim, HP=triton.next_power_of_2(n_heads),
             KP=triton.next_power_of_2(n_kv_heads), QK_NORM=norm_w is not None, num_warps=4,
+            **pdl.launch(qkv.device),
         )
     return q_out
 
@@ -594,9 +602,10 @@ def _swizzle_word(w):
 @triton.jit
 def _kv_store_kernel(c_ptr, s_ptr, g_ptr, pos_ptr, cc_ptr, cs_ptr, cg_ptr,
                      ckv, cb, ct, skv, sb, st, gkv, gb, gt,
-                     B, HKV: tl.constexpr, DH: tl.constexpr, SWZ: tl.constexpr):
+                     B, HKV: tl.constexpr, DH: tl.constexpr, SWZ: tl.constexpr, PDL: tl.constexpr = False):
     """Copy one quantized (kv, row, head) of the new token to the FP4 cache at column pos[row]
     (SWZ: codes swizzled, zero-scale blocks' codes zeroed, scales as kernel scale bytes)."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     r = tl.program_id(0)
     kv = (r // (B * HKV)).to(tl.int64)
     b = ((r // HKV) % B).to(tl.int64)
@@ -638,6 +647,7 @@ def kv_store_fp4(q: fp4.FP4Tensor, pos: torch.Tensor, codes: torch.Tensor, scale
             q.codes, q.scales.view(torch.uint8), q.global_scale, pos, codes, scales, gscale,
             codes.stride(0), codes.stride(1), codes.stride(2), scales.stride(0), scales.stride(1), scales.stride(2),
             gscale.stride(0), gscale.stride(1), gscale.stride(2), B, HKV=HKV, DH=DH, SWZ=swizzle, num_warps=1,
+            **pdl.launch(q.codes.device),
         )
 
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
-from tracerl.kernels import fp4_quant
+from tracerl.kernels import fp4_quant, pdl
 from tracerl.kernels.decode_reference import (  # noqa: F401  (re-exported: the kernels' references)
     dispatch_reference,
     exact_values,
@@ -389,7 +389,9 @@ def _grouped_gemm_kernel(
     W_FP4: tl.constexpr, A_FP4: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr, OUT_F32: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
     SWAP: tl.constexpr, TMA: tl.constexpr, SWZ: tl.constexpr, A_GS: tl.constexpr, GATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     n0 = tl.program_id(0) * BN
     t = tl.program_id(1)
     if SPLIT > 1:  # split K: this program's KSPAN columns, its float32 partial to out[split] (see split_k_for)
@@ -512,11 +514,12 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _tiles_kernel(offs_ptr, te_ptr, tm_ptr, MAXT, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                  CH: tl.constexpr):
+                  CH: tl.constexpr, PDL: tl.constexpr = False):
     """Program e < E lists (e, first row) of group e's BM-row tiles; program E writes -1 past the end.
 
     One program per group (not one for all): a single program's (tiles x groups) search took ~15 us
     a layer on the H100, a twentieth of a small-batch decode step over 48 layers."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     pid = tl.program_id(0)
     er = tl.arange(0, EP)
     ends = tl.load(offs_ptr + er, mask=er < E, other=0)
@@ -557,7 +560,7 @@ def row_tiles(offsets: torch.Tensor, bm: int, max_tiles: int) -> tuple[torch.Ten
     te = torch.empty(max_tiles, dtype=torch.int32, device=offsets.device)
     tm = torch.empty(max_tiles, dtype=torch.int32, device=offsets.device)
     _tiles_kernel[(E + 1,)](offsets, te, tm, max_tiles, E=E, EP=triton.next_power_of_2(E), BM=bm, CH=64,
-                            num_warps=1 if E <= 256 else 4)
+                            num_warps=1 if E <= 256 else 4, **pdl.launch(offsets.device))
     return te, tm
 
 
@@ -752,11 +755,12 @@ def grouped_gemm(
         PF=prefetch,
         SWAP=swap and w_fp4, TMA=tma, SWZ=swz, A_GS=a_gs, GATE=scatter and gate is not None, num_warps=nw,
         num_stages=ns,
+        **pdl.launch(ac.device),
     )
     if split_k > 1:
         _split_sum_kernel[(N, triton.cdiv(NOUT, SPLIT_SUM_BLOCK))](
             out, out.stride(0), final, final.stride(0), NOUT, SPLIT=split_k, BLOCK=SPLIT_SUM_BLOCK,
-            OUT_F32=final.dtype == torch.float32, num_warps=4)
+            OUT_F32=final.dtype == torch.float32, num_warps=4, **pdl.launch(out.device))
     return final
 
 
@@ -765,8 +769,9 @@ SPLIT_SUM_BLOCK = 1024
 
 @triton.jit
 def _split_sum_kernel(ws_ptr, sws, out_ptr, so, NOUT, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                      OUT_F32: tl.constexpr):
+                      OUT_F32: tl.constexpr, PDL: tl.constexpr = False):
     """out[r, c] = the split-K partials ws[:, r, c] summed in split order (float32), rounded once."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < NOUT
@@ -930,8 +935,9 @@ def for_kernels(w):
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, gate_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One token: softmax over E router logits (float32), top-K by repeated argmax, gate weights."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     lg = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"))
@@ -954,7 +960,8 @@ def _route_kernel(logits_ptr, ids_ptr, gate_ptr, E: tl.constexpr, EP: tl.constex
 
 @triton.jit
 def _dispatch_kernel(ids_ptr, gate_ptr, offs_ptr, tok_ptr, pair_ptr, gsort_ptr, N, NCH,
-                     K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, NP: tl.constexpr):
+                     K: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, C: tl.constexpr, NP: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Sort (token, slot) pairs by expert, stably; program p places chunk p of C pairs.
 
     Every program histograms all pairs, so it knows each expert's start and how many of its pairs
@@ -962,6 +969,7 @@ def _dispatch_kernel(ids_ptr, gate_ptr, offs_ptr, tok_ptr, pair_ptr, gsort_ptr, 
     pairs in one tile (two histograms); 0: chunk by chunk (a serial loop of NCH steps per program,
     which at N = 2048 already took ~13 us a call on the H100).
     """
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     p = tl.program_id(0)
     er = tl.arange(0, EP)
     if NP > 0:
@@ -1011,7 +1019,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tupl
         # (four warps meet in shared memory at each; 0.73 ms of a 1776-row step on the H100 with four)
         ep = triton.next_power_of_2(E)
         _route_kernel[(T,)](logits.contiguous(), ids, gates, E=E, EP=ep, K=top_k, NORM=norm_topk_prob,
-                            num_warps=1 if ep <= 256 else 4)
+                            num_warps=1 if ep <= 256 else 4, **pdl.launch(logits.device))
     return ids, gates
 
 
@@ -1042,5 +1050,5 @@ def dispatch(ids: torch.Tensor, gates: torch.Tensor, num_experts: int, offsets: 
         np_ = triton.next_power_of_2(N) if DISPATCH_ONE_TILE and N <= DISPATCH_TILE_MAX else 0
         _dispatch_kernel[(nch,)](ids.reshape(-1), gates.reshape(-1), offsets, tok, pair, gsort, N, nch,
                                  K=K, E=num_experts, EP=triton.next_power_of_2(num_experts), C=C, NP=np_,
-                                 num_warps=4 if C <= 64 else 8)
+                                 num_warps=4 if C <= 64 else 8, **pdl.launch(ids.device))
     return offsets, tok, pair, gsort

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tracerl import fp4
+from tracerl.kernels import pdl
 from tracerl.kernels.fp4_numerics import (
     DTYPE_CODE,
     _bits,
@@ -279,8 +280,10 @@ def _quant_kernel(
     ROUND: tl.constexpr, MASK: tl.constexpr, RECORD: tl.constexpr, FAST: tl.constexpr,
     SINK: tl.constexpr, SINK_SRC: tl.constexpr, DQ: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """FP4 quantize of x_MK. Grid (M/BM, K/BK); with GS == GS_ROW (M/BM,) and a loop over K."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     BK: tl.constexpr = NB * B
     P: tl.constexpr = B // 8
     pid_m = tl.program_id(0)
@@ -323,8 +326,10 @@ def _dequant_kernel(
     M, K, sc, ss, sg, so,
     NV: tl.constexpr, FAST: tl.constexpr,
     BM: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out_MK = e2m1(code) * block multiplier in fp32, rounded (RNE) to out's dtype."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     BK: tl.constexpr = NB * B
     P: tl.constexpr = B // 8
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -556,6 +561,7 @@ def quantize(
             ROUND=round_mode, MASK=mask_mode, RECORD=record == "lsb", FAST=FAST_DIV,
             SINK=sink is not None, SINK_SRC=sink is not None and sink.src is not None, DQ=dequant_out is not None,
             BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
+            **pdl.launch(xk.device),
         )
     q = fp4.FP4Tensor(codes=codes.reshape(*lead, K // 2), scales=scales_ret, global_scale=gs_ret,
                       fmt=fmt, shape=shape)
@@ -604,5 +610,6 @@ def dequantize(q: fp4.FP4Tensor, dtype: torch.dtype = torch.bfloat16,
         _dequant_kernel[(triton.cdiv(M, bm), triton.cdiv(K, bk))](
             codes, scales, gs, out, M, K, codes.stride(0), scales.stride(0), sg, out.stride(0),
             NV=spec.has_global_scale, FAST=FAST_DIV, BM=bm, NB=bk // B, B=B, num_warps=nw, enable_fp_fusion=False,
+            **pdl.launch(codes.device),
         )
     return out.reshape(shape)

@@ -48,7 +48,7 @@ import triton.language as tl
 from tracerl import fp4, kernels, qat
 from tracerl.kernels import fp4_attention as fa
 from tracerl.kernels import fp4_gemm as fg
-from tracerl.kernels import fp4_swizzle
+from tracerl.kernels import fp4_swizzle, pdl
 from tracerl.kernels.fp4_gemm import _bf16
 from tracerl.kernels.record_sink import RecordSink
 from tracerl.model.config import ModelConfig
@@ -60,9 +60,10 @@ from tracerl.rollout.kvcache import DenseKVCache, FP4KVCache
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, h_ptr, eps, D: tl.constexpr, BD: tl.constexpr,
-                        DELTA: tl.constexpr, KD: tl.constexpr, GATED: tl.constexpr):
+                        DELTA: tl.constexpr, KD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False):
     """x += delta (BF16 (B, D), or (B, KD, D) summed over KD first: float32, or BF16 times the gates
     (B, KD) float32 if GATED); h = RMSNorm(x) * w."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BD)
     m = i < D
@@ -104,18 +105,19 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, ep
     if B:
         _add_rmsnorm_kernel[(B,)](x, delta if delta is not None else x, gates if gates is not None else x, w, h, eps,
                                   D=D, BD=triton.next_power_of_2(D), DELTA=mode, KD=kd, GATED=gates is not None,
-                                  num_warps=4)
+                                  num_warps=4, **pdl.launch(x.device))
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, sl, V, VQ, SPAN, seed_ptr, tok_ptr, lp_ptr, part_ptr, parti_ptr, inv_t,
-                   GREEDY: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr):
+                   GREEDY: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Row b, vocabulary span c (program (b, c)): token = argmax(z + Gumbel) (argmax z if GREEDY), z =
     logits / T; logprob = log_softmax(z)[token]. SPLIT: store the span's (max z, sum exp(z - max),
     best key, its index) for `_sample_merge_kernel`; else the span is the whole row and the token and
     logprob are stored here. The uniforms come four to a Philox call (`rand4x`, counter b * VQ + v // 4:
     an element's draw does not depend on the split): one call an element was most of the kernel's
     instructions (1.7 ms of a 1776-row step over a 152k vocabulary on the H100)."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seed = tl.load(seed_ptr)
@@ -160,9 +162,11 @@ def _sample_kernel(logits_ptr, sl, V, VQ, SPAN, seed_ptr, tok_ptr, lp_ptr, part_
 
 
 @triton.jit
-def _sample_merge_kernel(logits_ptr, sl, part_ptr, parti_ptr, NS, tok_ptr, lp_ptr, inv_t, NSP: tl.constexpr):
+def _sample_merge_kernel(logits_ptr, sl, part_ptr, parti_ptr, NS, tok_ptr, lp_ptr, inv_t, NSP: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Row b: the spans' partials -> token (the first span's best on a tie, as one sequential pass) and
     logprob (the spans' log-sum-exp merged)."""
+    pdl.start(PDL)  # first: nothing is read or written before the previous grid is done
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NSP)
     mj = j < NS
@@ -221,10 +225,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, seed: torch.Tensor, 
     parti = torch.empty(B, ns, dtype=torch.int32, device=logits.device) if ns > 1 else logprobs
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     _sample_kernel[(B, ns)](logits, logits.stride(0), V, triton.cdiv(V, 4), span, seed, tokens, logprobs, part, parti,
-                            inv_t, GREEDY=temperature == 0, BV=bv, SPLIT=ns > 1, num_warps=8 if bv >= 4096 else 4)
+                            inv_t, GREEDY=temperature == 0, BV=bv, SPLIT=ns > 1, num_warps=8 if bv >= 4096 else 4,
+                            **pdl.launch(logits.device))
     if ns > 1:
         _sample_merge_kernel[(B,)](logits, logits.stride(0), part, parti, ns, tokens, logprobs, inv_t,
-                                   NSP=triton.next_power_of_2(ns), num_warps=1)
+                                   NSP=triton.next_power_of_2(ns), num_warps=1, **pdl.launch(logits.device))
 
 
 # ----------------------------------------------------------------------------- weights
