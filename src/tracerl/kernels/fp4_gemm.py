@@ -626,7 +626,7 @@ def grouped_gemm(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     config: tuple[int, int, int, int] | None = None,
     a_dequant: torch.Tensor | None = None,
-    split_k: int = 1,
+    split_k: int | None = 1,
 ) -> torch.Tensor:
     """Grouped GEMM of sorted rows against per-expert weights (see the module docstring).
 
@@ -642,8 +642,9 @@ def grouped_gemm(
     `tiles` of another BM, TUNED or (64, 128, 4) at theirs).
     a_dequant: with FP4 `a` and DEQUANT_A, its BF16 e2m1 * block scale (R, K) already made (by
     `fp4_quant.quantize(dequant_out=)` in the quantize pass), so no dequantize pass runs here.
-    split_k: programs a (column tile, row tile) splits K over (`split_k_for`); each writes a float32
-    partial and `_split_sum_kernel` adds them in split order (deterministic; not with swiglu or dst_idx).
+    split_k: programs a (column tile, row tile) splits K over; each writes a float32 partial and
+    `_split_sum_kernel` adds them in split order (deterministic; not with swiglu or dst_idx). None:
+    `split_k_for` this launch, with the partials at most half the packed weights' bytes.
     """
     w_fp4 = isinstance(w, fp4.FP4Tensor)
     a_fp4 = isinstance(a, fp4.FP4Tensor)
@@ -724,6 +725,10 @@ def grouped_gemm(
     if tiles is None or tiles[2] != bm:
         tiles = (*row_tiles(offsets, bm, max_row_tiles(E, N, bm)), bm)
     steps = K // bk
+    if split_k is None:
+        w_bytes = E * O * K * 9 // 16 if w_fp4 else E * O * K * 2
+        split_k = 1 if swiglu or scatter else split_k_for(
+            triton.cdiv(NOUT, bn) * triton.cdiv(N, bm), steps, max_split=w_bytes // (8 * max(N, 1) * NOUT))
     if split_k < 1 or steps % split_k:
         raise ValueError(f"split_k={split_k}: choose a divisor of the {steps} K tiles of {bk} columns")
     kspan = K // split_k
@@ -825,18 +830,10 @@ def fp4_linear(x: torch.Tensor | fp4.FP4Tensor, w: fp4.FP4Tensor | torch.Tensor,
         w3 = type(w)(w.codes.reshape(1, O, K // 2), w.scales.reshape(1, O, K // 16),  # (stays swizzled)
                      w.global_scale.reshape(1), w.fmt, torch.Size((1, O, K)))
     else:
-        O, K = w.shape
         w3 = w.unsqueeze(0)
     M = x.shape[0]
     dev = x.codes.device if isinstance(x, fp4.FP4Tensor) else x.device
     offsets = torch.full((1,), M, dtype=torch.int32, device=dev)
-    if split_k is None:
-        bm, bn, bk, *_ = gemm_config((isinstance(w, fp4.FP4Tensor), isinstance(x, fp4.FP4Tensor), False), M)
-        bk = bk if K % bk == 0 else 64
-        # the float32 partials (splits x M x O x 4 bytes) at most half the packed weight's bytes
-        # (O x K x 9/16): o_proj (K 4096) up to 18 splits at 16 rows, 4 at 64
-        w_bytes = O * K * 9 // 16 if isinstance(w, fp4.FP4Tensor) else O * K * 2
-        split_k = split_k_for(triton.cdiv(O, bn) * triton.cdiv(M, bm), K // bk, max_split=w_bytes // (8 * M * O))
     return grouped_gemm(x, w3, offsets, out_f32=out_f32, rows_per_group=M, split_k=split_k, a_dequant=a_dequant)
 
 
